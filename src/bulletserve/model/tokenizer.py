@@ -1,0 +1,83 @@
+"""Tokenizers (through transformers) and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from bulletserve.model.source import ModelSource, cache_dir_for, default_model_file, resolve_model
+
+# Special tokens that end a chat turn in common templates; they stop generation like EOS.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+_lock = threading.Lock()
+
+
+def load_tokenizer(model: str | ModelSource | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model: its folder, its GGUF metadata, or (dummy presets) the default's.
+
+    Converting a GGUF vocabulary takes seconds, so the result is cached on disk.
+    """
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    if source.load_format == "safetensors":
+        return AutoTokenizer.from_pretrained(str(source.path))
+    gguf_file = source.path if source.load_format == "gguf" else default_model_file()
+    return _gguf_tokenizer(gguf_file)
+
+
+def _gguf_tokenizer(gguf_file: Path) -> PreTrainedTokenizerBase:
+    cache = cache_dir_for(gguf_file, "tokenizer") / "tokenizer"
+    with _lock:
+        if (cache / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(cache))
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(cache.name + ".tmp")
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(cache)
+        return tokenizer
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_eos: tuple[int, ...]) -> frozenset[int]:
+    """Token ids that end generation: the model's EOS ids, the tokenizer's, and end-of-turn tokens
+    that the chat template uses (GGUF metadata often names the wrong EOS)."""
+    ids = set(model_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    vocab = tokenizer.get_vocab()
+    for token in _END_OF_TURN_TOKENS:
+        if token in vocab and token in template:
+            ids.add(vocab[token])
+    return frozenset(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without emitting broken UTF-8.
+
+    Decodes a short window of recent tokens each step (not the whole sequence), and holds back
+    text that ends in an incomplete character until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(prompt_ids[-6:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (possibly empty)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
