@@ -1,0 +1,6 @@
+"""Performance model: op inventory, hardware profiles, calibrated roofline, `bullet profile`.
+
+`inventory`, `hardware`, `interp` and `model` are pure (no torch, threads or I/O beyond reading
+a profile file) so that the scheduler and the simulator can call `PerfModel.predict` freely.
+The measuring code lives in `perf.measure` and imports torch.
+"""

@@ -1,0 +1,179 @@
+"""The calibrated SM-scaling roofline: step-time predictions for both lanes.
+
+For a phase on N_p of the device's N units,
+
+    T' = sum_k flop_k / min(flop_k / bytes_k * D_p, C_p),
+    C_p = C_peak * N_p / N,    D_p = D_peak * min(1, N_p / N_d),
+
+where a GPU GEMM's C_p is further scaled by its wave efficiency (tiles over units). The
+prediction is `overhead + alpha(N_p, rows) * T' * correction`: alpha comes from the profile's
+measured points for the phase (co-running points when the other lane is busy), and the online
+correction is an EWMA of measured / predicted that `observe` updates from real steps. A decode
+step co-running with a prefill sees the profile's contention-adjusted bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bulletserve.model.config import ModelConfig
+from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.perf.interp import AlphaSurface, Curve
+from bulletserve.perf.inventory import (
+    FIRST,
+    LAST,
+    LAYER,
+    TOKENS,
+    Counts,
+    op_templates,
+    phase_counts,
+    phase_layers,
+)
+from bulletserve.perf.state import ExecutionState
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PREDICT_PHASES = ("prefill", "decode")
+# observe() ignores a single ratio outside this band (a stalled or mis-attributed step).
+_RATIO_BAND = (0.1, 10.0)
+
+
+def op_time(
+    flops: float,
+    nbytes: float,
+    c_p: float,
+    d_p: float,
+    units: float,
+    gemm_mn: tuple[float, int] | None = None,
+    tile: tuple[int, int] | None = None,
+) -> float:
+    """flops / min(flops/bytes * D_p, C_p), with C_p scaled by the wave efficiency of a GEMM of
+    gemm_mn = (rows, cols) tiled by `tile` over `units` units."""
+    if gemm_mn is not None and tile is not None:
+        tiles = math.ceil(gemm_mn[0] / tile[0]) * math.ceil(gemm_mn[1] / tile[1])
+        c_p = c_p * tiles / (math.ceil(tiles / units) * units)
+    return max(flops / c_p, nbytes / d_p)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def step_s(self) -> float:
+        """Both lanes run at once: the step lasts as long as the slower one."""
+        return max(self.prefill_s, self.decode_s)
+
+
+class PerfModel:
+    """Predicts prefill and decode step times for one model on one device."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        hw: HardwareProfile,
+        dtype: str = "bfloat16",
+        correction_weight: float = 0.1,
+    ) -> None:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
+        if dtype not in hw.peak_flops:
+            raise ValueError(f"hardware profile {hw.name!r} has no peak FLOP/s for {dtype}")
+        if not 0 < correction_weight <= 1:
+            raise ValueError("correction_weight must be in (0, 1]")
+        self.cfg, self.hw, self.dtype = cfg, hw, dtype
+        self.correction_weight = correction_weight
+        self.correction = dict.fromkeys(PREDICT_PHASES, 1.0)
+        self._c_peak = hw.peak_flops[dtype]
+        self._tile = hw.gemm_tile if hw.kind == "gpu" else None
+        # Per scope: (flop coeffs, byte coeffs, fixed bytes, gemm cols, gemm rows index).
+        self._ops: dict[str, list[tuple[Counts, Counts, float, int, int]]] = {
+            LAYER: [],
+            FIRST: [],
+            LAST: [],
+        }
+        for t in op_templates(cfg, DTYPE_BYTES[dtype]):
+            self._ops[t.scope].append((t.flops, t.bytes, t.fixed_bytes, t.gemm_n, t.gemm_rows))
+        cal = hw.calibration
+        self._alpha = {p: AlphaSurface.from_table(t) for p, t in cal.alpha.items() if t}
+        self._corun_bw = (
+            Curve.from_points(cal.decode_bandwidth_corun, log_x=False)
+            if cal.decode_bandwidth_corun
+            else None
+        )
+
+    def _check_units(self, units: int, phase: str) -> float:
+        if units <= 0:
+            raise ValueError(f"{phase} has work but {phase}_units is {units}")
+        return float(min(units, self.hw.units))
+
+    def roofline(self, es: ExecutionState, phase: str, corun: bool = False) -> float:
+        """T' for `phase` of `es` in seconds: uncalibrated, without the fixed overhead."""
+        counts = phase_counts(es, phase)
+        if counts[TOKENS] == 0:
+            return 0.0
+        units = self._check_units(
+            es.prefill_units if phase == "prefill" else es.decode_units, phase
+        )
+        hw = self.hw
+        c_p = self._c_peak * units / hw.units
+        d_p = hw.peak_bandwidth * min(1.0, units / hw.bandwidth_saturation_units)
+        if corun and phase == "decode" and self._corun_bw is not None:
+            d_p = self._corun_bw(units)
+        layers, first, last = phase_layers(self.cfg, es, phase)
+        total = layers * self._scope_time(LAYER, counts, c_p, d_p, units)
+        if first:
+            total += self._scope_time(FIRST, counts, c_p, d_p, units)
+        if last:
+            total += self._scope_time(LAST, counts, c_p, d_p, units)
+        return total
+
+    def _scope_time(
+        self, scope: str, counts: Counts, c_p: float, d_p: float, units: float
+    ) -> float:
+        n0, n1, n2, n3 = counts
+        tile = self._tile
+        total = 0.0
+        for fl, by, fixed, gemm_n, rows in self._ops[scope]:
+            flops = fl[0] * n0 + fl[1] * n1 + fl[2] * n2 + fl[3] * n3
+            nbytes = fixed + by[0] * n0 + by[1] * n1 + by[2] * n2 + by[3] * n3
+            gemm = (counts[rows], gemm_n) if gemm_n and tile is not None else None
+            total += op_time(flops, nbytes, c_p, d_p, units, gemm, tile)
+        return total
+
+    def alpha(self, es: ExecutionState, phase: str, corun: bool = False) -> float:
+        """The calibration factor for `phase` of `es` (1.0 where the profile has no points)."""
+        surface = self._alpha.get(f"{phase}_corun") if corun else None
+        surface = surface or self._alpha.get(phase)
+        if surface is None:
+            return 1.0
+        units = es.prefill_units if phase == "prefill" else es.decode_units
+        return surface(units, phase_counts(es, phase)[TOKENS])
+
+    def _phase_time(self, es: ExecutionState, phase: str, corun: bool) -> float:
+        t = self.roofline(es, phase, corun)
+        if t == 0.0:
+            return 0.0
+        return self.hw.step_overhead_s + self.alpha(es, phase, corun) * t
+
+    def predict(self, es: ExecutionState) -> StepPrediction:
+        """Prefill and decode step times of `es` in seconds (0 for an idle lane)."""
+        corun = es.has_prefill and es.has_decode
+        return StepPrediction(
+            self._phase_time(es, "prefill", corun) * self.correction["prefill"],
+            self._phase_time(es, "decode", corun) * self.correction["decode"],
+        )
+
+    def observe(self, es: ExecutionState, phase: str, measured_s: float) -> None:
+        """Fold one measured step time of `phase` into that phase's running correction."""
+        if phase not in PREDICT_PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected 'prefill' or 'decode'")
+        predicted = self._phase_time(es, phase, es.has_prefill and es.has_decode)
+        if predicted <= 0.0 or measured_s <= 0.0:
+            return
+        ratio = measured_s / predicted
+        if not _RATIO_BAND[0] <= ratio <= _RATIO_BAND[1]:
+            return
+        w = self.correction_weight
+        self.correction[phase] = (1 - w) * self.correction[phase] + w * ratio

@@ -1,0 +1,86 @@
+"""Derive GPU presets' GEMM alpha from Vidur's measured per-op timings.
+
+Source: microsoft/vidur (MIT License), folder data/profiling/compute, commit 7d47513; a copy
+lives in the project's shared data folder (never committed here). Each CSV row holds one layer's
+op latencies (ms) at `num_tokens` rows on a whole GPU. alpha(rows) = measured time of the four
+GEMMs (fused q/k/v, o, gate+up, down; medians over repeated rows) / their roofline T' on the
+preset at all SMs. Attention is not in the data, so the same GEMM alpha serves both phases.
+
+    python -m bulletserve.perf.vidur CSV PRESET   # prints the alpha points as JSON
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from bulletserve.model.config import ModelConfig
+from bulletserve.perf.hardware import HardwareProfile, Points, load_preset
+from bulletserve.perf.inventory import step_ops
+from bulletserve.perf.model import DTYPE_BYTES, op_time
+from bulletserve.perf.state import ExecutionState
+
+GEMM_COLUMNS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+GEMM_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+DTYPE = "float16"  # Vidur profiles fp16
+
+
+def _config(row: dict[str, str]) -> ModelConfig:
+    h, heads = int(row["n_embd"]), int(row["n_head"])
+    return ModelConfig(
+        family="llama",
+        vocab_size=int(row["vocab_size"]),
+        hidden_size=h,
+        intermediate_size=int(row["n_expanded_embd"]),
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=int(row["n_kv_head"]),
+        head_dim=h // heads,
+        max_position_embeddings=32768,
+    )
+
+
+def gemm_roofline(cfg: ModelConfig, hw: HardwareProfile, rows: int) -> float:
+    """T' of one layer's four GEMMs at `rows` rows on all of `hw`'s units."""
+    es = ExecutionState(prefill_lens=(rows,), prefill_units=hw.units)
+    c_p, d_p = hw.peak_flops[DTYPE], hw.peak_bandwidth
+    tile = hw.gemm_tile
+    return sum(
+        op_time(op.flops, op.bytes, c_p, d_p, hw.units, (op.gemm_m, op.gemm_n), tile)
+        for op in step_ops(cfg, es, "prefill", DTYPE_BYTES[DTYPE])
+        if op.name in GEMM_OPS
+    )
+
+
+def gemm_alpha_points(path: str | Path, hw: HardwareProfile, powers_of_two: bool = True) -> Points:
+    """(rows, alpha) at tensor-parallel degree 1, at power-of-two row counts by default."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["num_tensor_parallel_workers"] == "1"]
+    if not rows:
+        raise ValueError(f"{path}: no rows with num_tensor_parallel_workers == 1")
+    cfg = _config(rows[0])
+    measured: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        ms = sum(float(r[f"time_stats.{c}.median"]) for c in GEMM_COLUMNS)
+        measured[int(r["num_tokens"])].append(ms / 1e3)
+    points = []
+    for n in sorted(measured):
+        if powers_of_two and n & (n - 1):
+            continue
+        alpha = statistics.median(measured[n]) / gemm_roofline(cfg, hw, n)
+        points.append((float(n), round(alpha, 4)))
+    return tuple(points)
+
+
+def main(argv: list[str]) -> int:
+    path, preset = argv
+    print(json.dumps([list(p) for p in gemm_alpha_points(path, load_preset(preset))]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,135 @@
+"""The roofline at its limits, alpha interpolation, contention, online correction, speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bulletserve.model.presets import PRESETS
+from bulletserve.perf.hardware import Calibration, load_preset
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.state import ExecutionState
+
+H100 = load_preset("h100-sxm")
+UNCALIBRATED = dataclasses.replace(H100, calibration=Calibration())
+LLAMA = PRESETS["llama-3.1-8b"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 4096), min_size=1, max_size=4),
+    ctx=st.lists(st.integers(1, 8192), min_size=1, max_size=64),
+    units=st.sampled_from(H100.valid_units()[:-1]),
+)
+def test_more_units_never_slower(lens, ctx, units):
+    model = PerfModel(LLAMA, UNCALIBRATED)
+    more = units + 8
+    for phase, es_of in (
+        ("prefill", lambda u: ExecutionState(prefill_lens=tuple(lens), prefill_units=u)),
+        ("decode", lambda u: ExecutionState(decode_ctx=tuple(ctx), decode_units=u)),
+    ):
+        assert model.roofline(es_of(more), phase) <= model.roofline(es_of(units), phase) * (
+            1 + 1e-12
+        )
+
+
+def test_decode_bandwidth_flat_beyond_n_d():
+    # A memory-bound decode step: time stops improving once N_p >= N_d.
+    hw = dataclasses.replace(UNCALIBRATED, bandwidth_saturation_units=48)
+    model = PerfModel(LLAMA, hw)
+    times = {
+        u: model.roofline(ExecutionState(decode_ctx=(1024,) * 8, decode_units=u), "decode")
+        for u in (8, 24, 48, 96, 132)
+    }
+    assert times[8] > times[24] > times[48]
+    assert times[48] == pytest.approx(times[96]) == pytest.approx(times[132])
+
+
+def test_compute_bound_prefill_scales_with_units():
+    model = PerfModel(LLAMA, UNCALIBRATED)
+    t = {
+        u: model.roofline(ExecutionState(prefill_lens=(8192,), prefill_units=u), "prefill")
+        for u in (64, 128)
+    }
+    assert t[64] / t[128] == pytest.approx(2.0, rel=0.05)
+
+
+def test_alpha_exact_on_measured_points_and_between():
+    table = {16: ((64.0, 2.0), (1024.0, 1.4)), 64: ((64.0, 1.6), (1024.0, 1.2))}
+    hw = dataclasses.replace(H100, calibration=Calibration(alpha={"prefill": table}))
+    model = PerfModel(LLAMA, hw)
+    for units, pts in table.items():
+        for tokens, alpha in pts:
+            es = ExecutionState(prefill_lens=(int(tokens),), prefill_units=units)
+            assert model.alpha(es, "prefill") == alpha
+            assert model.predict(es).prefill_s == pytest.approx(
+                alpha * model.roofline(es, "prefill")
+            )
+    mid = model.alpha(ExecutionState(prefill_lens=(256,), prefill_units=40), "prefill")
+    assert 1.2 < mid < 2.0
+    # Beyond the table: the nearest edge.
+    assert model.alpha(ExecutionState(prefill_lens=(8,), prefill_units=8), "prefill") == 2.0
+
+
+def test_preset_alpha_from_vidur_applies_at_full_width():
+    model = PerfModel(LLAMA, H100)
+    es = ExecutionState(decode_ctx=(512,) * 4, decode_units=132)
+    assert model.alpha(es, "decode") == dict(H100.calibration.alpha["decode"][132])[4.0]
+
+
+def test_co_running_decode_sees_contended_bandwidth_and_corun_alpha():
+    cal = Calibration(
+        alpha={"decode": {132: ((8.0, 1.0),)}, "decode_corun": {132: ((8.0, 1.5),)}},
+        decode_bandwidth_corun=((8.0, 1e12), (132.0, 2e12)),
+    )
+    model = PerfModel(LLAMA, dataclasses.replace(UNCALIBRATED, calibration=cal))
+    alone = ExecutionState(decode_ctx=(2048,) * 8, decode_units=132)
+    both = dataclasses.replace(alone, prefill_lens=(1024,), prefill_units=132)
+    assert model.roofline(both, "decode", corun=True) > model.roofline(alone, "decode")
+    assert model.alpha(both, "decode", corun=True) == 1.5
+    assert model.predict(both).decode_s > 1.5 * model.predict(alone).decode_s
+
+
+def test_online_correction_tracks_drift():
+    model = PerfModel(LLAMA, H100, correction_weight=0.2)
+    es = ExecutionState(
+        prefill_lens=(2048,), prefill_units=64, decode_ctx=(300,) * 16, decode_units=64
+    )
+    truth = 1.3 * model.predict(es).prefill_s
+    for _ in range(40):
+        model.observe(es, "prefill", truth)
+    assert model.predict(es).prefill_s == pytest.approx(truth, rel=0.01)
+    assert model.correction["decode"] == 1.0
+    model.observe(es, "prefill", 1e3 * truth)  # an outlier is ignored
+    assert model.predict(es).prefill_s == pytest.approx(truth, rel=0.01)
+
+
+def test_idle_lanes_and_missing_units():
+    model = PerfModel(LLAMA, H100)
+    assert model.predict(ExecutionState()).step_s == 0.0
+    with pytest.raises(ValueError, match="decode_units"):
+        model.predict(ExecutionState(decode_ctx=(5,)))
+    with pytest.raises(ValueError, match="peak FLOP/s"):
+        PerfModel(LLAMA, dataclasses.replace(H100, peak_flops={"float32": 1e12}))
+
+
+def test_predict_under_50_microseconds():
+    model = PerfModel(LLAMA, H100)
+    es = ExecutionState(
+        prefill_lens=(512, 1024),
+        prefill_cached=(0, 256),
+        prefill_units=96,
+        decode_ctx=tuple(range(100, 164)),
+        decode_units=36,
+    )
+    n, best = 2000, float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n):
+            model.predict(es)
+        best = min(best, (time.perf_counter() - start) / n)
+    assert best < 50e-6, f"predict took {best * 1e6:.1f} us"
