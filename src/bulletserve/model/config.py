@@ -80,7 +80,9 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dictionary."""
         archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        family = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
+        )
         if family is None:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise UnsupportedModelError(
@@ -116,7 +118,11 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face style `config.json` dictionary that round-trips through from_hf_dict."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }
         scaling = None
         if self.rope_scaling.rope_type != "default":
             scaling = asdict(self.rope_scaling)

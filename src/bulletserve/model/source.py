@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def default_model_file() -> Path:
 def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     """Turn `--model` and `--load-format` into a ModelSource, or raise a clear error."""
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}")
+        raise ValueError(
+            f"--load-format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}"
+        )
     if load_format == "dummy":
         preset = model or "smollm2-135m"
         if preset not in PRESETS:
@@ -62,7 +65,9 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     if model is None:
         path = default_model_file()
         if load_format not in ("auto", "gguf"):
-            raise ValueError(f"the default model is a GGUF file; --load-format {load_format} cannot read it")
+            raise ValueError(
+                f"the default model is a GGUF file; --load-format {load_format} cannot read it"
+            )
         return ModelSource("gguf", path, None, DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if not path.exists():
@@ -72,7 +77,9 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         if load_format == "gguf":
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) != 1:
-                raise ModelNotFoundError(f"expected exactly one .gguf file in {path}, found {len(ggufs)}")
+                raise ModelNotFoundError(
+                    f"expected exactly one .gguf file in {path}, found {len(ggufs)}"
+                )
             return ModelSource("gguf", ggufs[0], None, path.name)
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
@@ -80,7 +87,9 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
             raise ModelNotFoundError(f"{path} has no *.safetensors weight files")
         return ModelSource("safetensors", path, None, path.name)
     if load_format == "safetensors":
-        raise ModelNotFoundError(f"--load-format safetensors needs a model folder, {path} is a file")
+        raise ModelNotFoundError(
+            f"--load-format safetensors needs a model folder, {path} is a file"
+        )
     if path.suffix != ".gguf" and load_format == "auto":
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
     return ModelSource("gguf", path, None, path.stem)
@@ -92,3 +101,13 @@ def cache_dir_for(file: Path, kind: str) -> Path:
     key = hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{kind}".encode())
     root = Path(os.environ.get("BULLET_CACHE_DIR") or platformdirs.user_cache_dir("bulletserve"))
     return root / f"{file.stem}-{key.hexdigest()[:16]}"
+
+
+def publish_cache_folder(tmp: Path, folder: Path) -> None:
+    """Move a fully written temporary folder into place; another process may have won the race."""
+    try:
+        tmp.rename(folder)
+    except OSError:
+        if not folder.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)

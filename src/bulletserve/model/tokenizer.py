@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from bulletserve.model.source import ModelSource, cache_dir_for, default_model_file, resolve_model
+from bulletserve.model.source import (
+    ModelSource,
+    cache_dir_for,
+    default_model_file,
+    publish_cache_folder,
+    resolve_model,
+)
 
 # Special tokens that end a chat turn in common templates; they stop generation like EOS.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -34,13 +41,15 @@ def _gguf_tokenizer(gguf_file: Path) -> PreTrainedTokenizerBase:
             return AutoTokenizer.from_pretrained(str(cache))
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(cache.name + ".tmp")
+        tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
         tokenizer.save_pretrained(str(tmp))
-        tmp.rename(cache)
+        publish_cache_folder(tmp, cache)
         return tokenizer
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_eos: tuple[int, ...]) -> frozenset[int]:
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, model_eos: tuple[int, ...]
+) -> frozenset[int]:
     """Token ids that end generation: the model's EOS ids, the tokenizer's, and end-of-turn tokens
     that the chat template uses (GGUF metadata often names the wrong EOS)."""
     ids = set(model_eos)
@@ -72,7 +81,9 @@ class IncrementalDetokenizer:
         """Append one token; return the newly completed text (possibly empty)."""
         self._ids.append(token_id)
         decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
         full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""

@@ -1,0 +1,75 @@
+"""Engine settings and their command-line flags (vLLM's names where the meaning is the same)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from bulletserve.model.source import LOAD_FORMATS
+from bulletserve.sched import POLICIES
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    chunked_prefill_size: int | None = None  # default: max_num_batched_tokens
+    block_size: int = 16
+    kv_cache_memory: str | None = None  # bytes or a fraction of free memory
+    policy: str = "chunked"
+    num_threads: int | None = None  # CPU intra-op threads; default: all usable cores
+
+    def __post_init__(self) -> None:
+        positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
+        positive += ["max_model_len", "chunked_prefill_size", "num_threads"]
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
+
+    @property
+    def chunk_size(self) -> int:
+        return self.chunked_prefill_size or self.max_num_batched_tokens
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="HF folder, .gguf file, or a preset with --load-format dummy (default: embedded SmolLM2-135M-Instruct)",
+    )
+    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    group.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16 or float32")
+    group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--chunked-prefill-size", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="bytes (e.g. 4GiB) or a fraction of free memory (default 0.3)",
+    )
+    group.add_argument("--policy", default="chunked", choices=POLICIES)
+    group.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads (default: all usable cores)"
+    )

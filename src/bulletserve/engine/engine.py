@@ -1,0 +1,338 @@
+"""The engine loop: snapshot -> policy plan -> model step -> sampling -> outputs.
+
+`add_request` and `abort_request` may be called from any thread; `step` runs on the engine's
+own thread and is the only place that changes request state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import deque
+
+import torch
+
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.request import (
+    Request,
+    RequestOutput,
+    RequestState,
+    RequestTimings,
+    TokenLogprob,
+)
+from bulletserve.engine.runner import ModelRunner, SeqWork
+from bulletserve.engine.sampler import Sampler
+from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.kv.pool import KVPool
+from bulletserve.model.loader import load_config, load_model, resolve_dtype
+from bulletserve.model.source import resolve_model
+from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
+from bulletserve.sched import make_policy
+from bulletserve.sched.base import SchedulerSnapshot, SeqView, StepPlan
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not leave room for a single output token within max_model_len."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but CUDA is not available")
+    return torch.device(name)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or usable_cores())
+        self.dtype = resolve_dtype(config.dtype)
+        self.source = resolve_model(config.model, config.load_format)
+        self.tokenizer = load_tokenizer(self.source)
+        self.max_model_len = (
+            config.max_model_len or load_config(self.source).max_position_embeddings
+        )
+        self.model = load_model(
+            self.source, self.dtype, self.device, self.max_model_len, seed=config.seed
+        )
+        self.model_config = self.model.config
+        self.pool = KVPool.sized(
+            self.model_config,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.kv_cache_memory,
+            max_tokens_needed=config.max_num_seqs * self.max_model_len,
+        )
+        if self.pool.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {self.pool.num_blocks * config.block_size} tokens, fewer than "
+                f"--max-model-len {self.max_model_len}: raise --kv-cache-memory or lower "
+                "--max-model-len"
+            )
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.sampler = Sampler(config.seed)
+        self.policy = make_policy(config.policy, config.chunk_size)
+        self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) reported
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- called from any thread -------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Raise ValueError naming the problem if these prompt tokens cannot be served."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; --max-model-len is {self.max_model_len}, "
+                "which leaves no room for output"
+            )
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError for bad input before anything is queued."""
+        token_ids = self.tokenize(prompt)
+        self.check_prompt(token_ids)
+        request = Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            params=params,
+            timings=RequestTimings(arrival=arrival_time or time.monotonic()),
+        )
+        if params.seed is not None:
+            request.generator = self.sampler.new_request_generator(params.seed)
+        with self._lock:
+            if request.request_id in self.requests:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            self.requests[request.request_id] = request
+            self._inbox.append(request)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts or self.waiting or self.running)
+
+    # ---- engine thread ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return outputs of requests that progressed or ended."""
+        outputs = self._drain_inbox()
+        plan = self.policy.plan(self.snapshot())
+        self._apply_preemptions(plan)
+        if not plan.scheduled:
+            return outputs
+        by_id = {r.request_id: r for r in self.running}
+        for request_id in plan.admitted:
+            request = next(r for r in self.waiting if r.request_id == request_id)
+            self.waiting.remove(request)
+            self.running.append(request)
+            by_id[request_id] = request
+        works = []
+        now = time.monotonic()
+        for item in plan.scheduled:
+            request = by_id[item.request_id]
+            self._grow_blocks(request, request.num_computed_tokens + item.num_tokens)
+            start = request.num_computed_tokens
+            end = start + item.num_tokens
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = now
+            works.append(
+                SeqWork(
+                    request.token_ids(start, end),
+                    start,
+                    request.block_table,
+                    end == request.num_tokens,
+                )
+            )
+        logits, sampling = self.runner.execute(works)
+        for item in plan.scheduled:
+            request = by_id[item.request_id]
+            request.num_computed_tokens += item.num_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                request.state = RequestState.PREFILLING
+        sampled = [by_id[plan.scheduled[i].request_id] for i in sampling]
+        if sampled:
+            stop_sets = [self._stop_ids(r) for r in sampled]
+            tokens, logprobs = self.sampler.sample(logits, sampled, stop_sets)
+            now = time.monotonic()
+            for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+                self._append_token(request, token, logprob, now)
+        for request in sampled:
+            outputs.append(self._output(request))
+        return outputs
+
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot(
+            now=time.monotonic(),
+            waiting=tuple(_view(r) for r in self.waiting),
+            running=tuple(_view(r) for r in self.running),
+            free_blocks=self.pool.allocator.num_free,
+            block_size=self.pool.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts = list(self._aborts)
+            self._aborts.clear()
+        outputs = []
+        for request_id in aborts:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, "abort", RequestState.ABORTED)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _apply_preemptions(self, plan: StepPlan) -> None:
+        preempted = [r for r in self.running if r.request_id in set(plan.preempted)]
+        for request in preempted:
+            self.running.remove(request)
+            self.pool.allocator.free(request.block_table)
+            request.block_table = []
+            request.num_computed_tokens = 0
+            request.state = RequestState.WAITING
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+        # Preempted requests go back to the front of the queue, oldest first.
+        self.waiting.extendleft(reversed(preempted))
+
+    def _grow_blocks(self, request: Request, num_tokens: int) -> None:
+        need = -(-num_tokens // self.pool.block_size) - len(request.block_table)
+        if need > 0:
+            request.block_table.extend(self.pool.allocator.allocate(need))
+
+    def _stop_ids(self, request: Request) -> frozenset[int]:
+        ids = frozenset(request.params.stop_token_ids)
+        return ids if request.params.ignore_eos else ids | self.eos_token_ids
+
+    def _append_token(
+        self, request: Request, token: int, logprob: TokenLogprob | None, now: float
+    ) -> None:
+        params = request.params
+        request.output_token_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        request.state = RequestState.DECODING
+        if request.timings.first_token is None:
+            request.timings.first_token = now
+        detok = self._detokenizers.get(request.request_id)
+        if detok is None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            self._detokenizers[request.request_id] = detok
+        if token in self._stop_ids(request) and len(request.output_token_ids) > params.min_tokens:
+            self._finish(request, "stop")
+            return
+        delta = detok.add(token)
+        request.text = detok.text
+        if delta and params.stop:
+            cut = _find_stop(request.text, params.stop, len(delta))
+            if cut is not None:
+                request.text = request.text[:cut]
+                self._finish(request, "stop")
+                return
+        if (
+            len(request.output_token_ids) >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            self._finish(request, "length")
+
+    def _finish(
+        self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
+    ) -> None:
+        request.finish_reason = reason
+        request.state = state
+        request.timings.finished = time.monotonic()
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.block_table:
+            self.pool.allocator.free(request.block_table)
+            request.block_table = []
+
+    def _output(self, request: Request) -> RequestOutput:
+        chars, tokens = self._emitted.get(request.request_id, (0, 0))
+        visible = len(request.text)
+        if not request.is_finished and request.params.stop:
+            # Hold back a tail that could still grow into a stop string.
+            visible = max(chars, visible - max(len(s) for s in request.params.stop) + 1)
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=request.text[:visible],
+            token_ids=list(request.output_token_ids),
+            new_text=request.text[chars:visible],
+            new_token_ids=request.output_token_ids[tokens:],
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            timings=request.timings,
+            num_preemptions=request.num_preemptions,
+        )
+        if request.is_finished:
+            self._emitted.pop(request.request_id, None)
+            self._detokenizers.pop(request.request_id, None)
+            with self._lock:
+                self.requests.pop(request.request_id, None)
+        else:
+            self._emitted[request.request_id] = (visible, len(request.output_token_ids))
+        return output
+
+
+def _view(request: Request) -> SeqView:
+    return SeqView(
+        request_id=request.request_id,
+        arrival_time=request.timings.arrival,
+        num_tokens=request.num_tokens,
+        num_computed_tokens=request.num_computed_tokens,
+        num_blocks=len(request.block_table),
+    )
+
+
+def _find_stop(text: str, stops: list[str], delta_len: int) -> int | None:
+    """Index where the earliest stop string starts, searching only where the new text could
+    have completed one."""
+    window_start = max(0, len(text) - delta_len - max(len(s) for s in stops) + 1)
+    hits = [i for s in stops if (i := text.find(s, window_start)) >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,86 @@
+"""A request's state as it moves through the engine, and what the engine reports about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from bulletserve.engine.sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock times (time.monotonic seconds) of a request's milestones."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Request:
+    """Mutable engine-side state. Only the engine thread that owns the request changes it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    timings: RequestTimings
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: object | None = None  # the per-request torch.Generator when a seed is given
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of a request after a step: the whole output so far and what is new in it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    timings: RequestTimings
+    num_preemptions: int = 0

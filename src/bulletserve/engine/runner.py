@@ -1,0 +1,115 @@
+"""Carries out one step of a plan on the device: builds the batch, runs the model, returns logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bulletserve.kv.pool import KVPool
+from bulletserve.model.attention import AttentionMetadata, PrefillSpan
+from bulletserve.model.decoder import DecoderLM
+
+
+@dataclass
+class SeqWork:
+    """One sequence's share of a step: tokens [start, start + len(token_ids)) of its context."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    samples: bool  # whether the step ends at the sequence's last token, so it gets logits
+
+
+@dataclass
+class StepBatch:
+    """Device tensors of one step; prefills come first, then decodes."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    sampling_order: list[int]  # index into the given works, per logits row
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, pool: KVPool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.block_size = pool.block_size
+        self._block_offsets = torch.arange(self.block_size)
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        blocks = torch.tensor(block_table[: -(-end // self.block_size)], dtype=torch.long)
+        slots = (blocks.unsqueeze(1) * self.block_size + self._block_offsets).reshape(-1)
+        return slots[start:end]
+
+    def prepare(self, works: list[SeqWork]) -> StepBatch:
+        prefills = [i for i, w in enumerate(works) if len(w.token_ids) > 1]
+        decodes = [i for i, w in enumerate(works) if len(w.token_ids) == 1]
+        order = prefills + decodes
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        spans: list[PrefillSpan] = []
+        logits_rows: list[int] = []
+        sampling_order: list[int] = []
+        for index in order:
+            work = works[index]
+            query_len = len(work.token_ids)
+            end = work.start + query_len
+            query_start = len(input_ids)
+            input_ids.extend(work.token_ids)
+            positions.append(torch.arange(work.start, end))
+            slot_mapping.append(self._slots(work.block_table, work.start, end))
+            if query_len > 1:
+                context_slots = mask = None
+                if work.start > 0:
+                    context_slots = self._slots(work.block_table, 0, end).to(self.device)
+                    keys = torch.arange(end)
+                    queries = torch.arange(work.start, end)
+                    mask = (keys.unsqueeze(0) <= queries.unsqueeze(1)).to(self.device)
+                spans.append(PrefillSpan(query_start, query_len, work.start, context_slots, mask))
+            if work.samples:
+                logits_rows.append(query_start + query_len - 1)
+                sampling_order.append(index)
+        num_prefill_tokens = sum(len(works[i].token_ids) for i in prefills)
+        decode_slots = decode_mask = None
+        if decodes:
+            contexts = torch.tensor([works[i].start + 1 for i in decodes])
+            max_context = int(contexts.max())
+            max_blocks = -(-max_context // self.block_size)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            for row, i in enumerate(decodes):
+                table = works[i].block_table[:max_blocks]
+                tables[row, : len(table)] = torch.tensor(table)
+            slots = (tables.unsqueeze(2) * self.block_size + self._block_offsets).flatten(1)
+            decode_slots = slots[:, :max_context].contiguous().to(self.device)
+            valid = torch.arange(max_context).unsqueeze(0) < contexts.unsqueeze(1)
+            decode_mask = valid[:, None, None, :].to(self.device)
+        to = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_mapping).to(to),
+            prefills=spans,
+            num_prefill_tokens=num_prefill_tokens,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+        )
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=to),
+            positions=torch.cat(positions).to(to),
+            meta=meta,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=to),
+            sampling_order=sampling_order,
+        )
+
+    @torch.inference_mode()
+    def execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; return fp32 logits for sampling sequences and their indices in `works`."""
+        batch = self.prepare(works)
+        hidden = self.model.embed(batch.input_ids)
+        hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)
+        if not batch.sampling_order:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
+        return self.model.logits(hidden, batch.logits_rows), batch.sampling_order

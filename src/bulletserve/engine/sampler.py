@@ -1,0 +1,76 @@
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from bulletserve.engine.request import Request, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def new_request_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+    @torch.inference_mode()
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], stop_ids: list[frozenset[int]]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row of `logits` ([N, V], fp32 on any device) for the matching request.
+
+        `stop_ids[i]` are masked out while request i is below its `min_tokens`.
+        """
+        logits = logits.float().cpu()
+        for row, (request, ids) in enumerate(zip(requests, stop_ids, strict=True)):
+            if len(request.output_token_ids) < request.params.min_tokens and ids:
+                logits[row, list(ids)] = float("-inf")
+        logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            probs = self._filtered_probs(logits[rows], [requests[i] for i in random_rows])
+            # Exponential race: argmax(p / q) with q ~ Exp(1) draws from p; each seeded request
+            # draws its own noise so its samples do not depend on its neighbours.
+            noise = torch.empty_like(probs)
+            for k, i in enumerate(random_rows):
+                generator = requests[i].generator or self._generator
+                noise[k].exponential_(generator=generator)
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        token_list = tokens.tolist()
+        results: list[TokenLogprob | None] = []
+        for row, request in enumerate(requests):
+            if logprobs is None or request.params.logprobs is None:
+                results.append(None)
+                continue
+            top = []
+            if request.params.logprobs > 0:
+                values, ids = logprobs[row].topk(request.params.logprobs)
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            token = token_list[row]
+            results.append(TokenLogprob(token, float(logprobs[row, token]), top))
+        return token_list, results
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temperature = torch.tensor([r.params.temperature for r in requests]).unsqueeze(1)
+        logits = logits / temperature
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            vocab = logits.shape[-1]
+            k = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
+            ranks = torch.arange(vocab).unsqueeze(0)
+            sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            p = torch.tensor(top_p).unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return logits.softmax(dim=-1)

@@ -1,0 +1,90 @@
+"""Attention over a paged KV cache for a ragged batch of prefills and decodes.
+
+A step's tokens are laid out flat: every prefill's new tokens first (one sequence after another),
+then one token per decoding sequence. The metadata is built once per step by the model runner
+and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence computing `query_len` new tokens after `cached_len` tokens already cached."""
+
+    query_start: int
+    query_len: int
+    cached_len: int
+    # Cache slots of all `cached_len + query_len` tokens; None when nothing was cached before,
+    # in which case attention runs on the fresh keys directly.
+    context_slots: torch.Tensor | None
+    # Causal mask over the context, [query_len, cached_len + query_len]; None without a prefix.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V is written
+    prefills: list[PrefillSpan]
+    num_prefill_tokens: int
+    # Decodes: cache slots of each sequence's context, padded with the null slot, and the
+    # matching validity mask.
+    decode_slots: torch.Tensor | None  # [batch, max_context]
+    decode_mask: torch.Tensor | None  # [batch, 1, 1, max_context]
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_slots is None else self.decode_slots.shape[0]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D].
+
+    Writes the new keys and values into the cache, then attends each token to its context.
+    """
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        if span.context_slots is None:
+            ks = k[rows].transpose(0, 1).unsqueeze(0)
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            ks = k_cache.index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
+            vs = v_cache.index_select(0, span.context_slots).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True
+            )
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    if meta.decode_slots is not None:
+        batch, max_context = meta.decode_slots.shape
+        flat = meta.decode_slots.reshape(-1)
+        kvh, dim = k_cache.shape[1], k_cache.shape[2]
+        kd = k_cache.index_select(0, flat).view(batch, max_context, kvh, dim).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).view(batch, max_context, kvh, dim).transpose(1, 2)
+        qd = q[meta.num_prefill_tokens :].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[meta.num_prefill_tokens :] = o.squeeze(2)
+    return out

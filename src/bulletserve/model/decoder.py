@@ -1,0 +1,246 @@
+"""Our decoder for the Llama, Mistral, Qwen2 and Qwen3 families, run from a paged KV cache.
+
+Weights are stored fused (q/k/v in one projection, gate/up in another) so that each layer does
+two large GEMMs instead of five small ones. `load_hf_weights` takes Hugging Face tensor names.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bulletserve.model.attention import AttentionMetadata, paged_attention
+from bulletserve.model.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated smoothly.
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, gathered once per step."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).float()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face layout). x: [T, heads, D]; cos, sin: [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        c = self.config
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only LM. A step is `embed`, `run_layers` over one or more layer groups, `logits`."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def reset_rotary(self, device: torch.device, max_positions: int) -> None:
+        """Rebuild the cos/sin tables on `device` (after construction on the meta device)."""
+        self.rotary = RotaryEmbedding(self.config, max_positions).to(device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight
+        return self.lm_head.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        start: int = 0,
+        end: int | None = None,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary(positions, hidden.dtype)
+        end = self.config.num_layers if end is None else end
+        for index in range(start, end):
+            hidden = self.layers[index](hidden, cos, sin, kv_caches[index], meta)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the selected token rows (the last token of each sampling sequence)."""
+        selected = self.norm(hidden.index_select(0, rows))
+        return F.linear(selected, self.lm_head_weight).float()
+
+    @torch.inference_mode()
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face named tensors in, fusing q/k/v and gate/up; fail on anything missing."""
+        params = dict(self.named_parameters())
+        pending: dict[str, torch.Tensor] = {}
+        loaded: set[str] = set()
+        c = self.config
+        for hf_name, tensor in weights:
+            name = _our_name(hf_name)
+            if name is None or (name == "lm_head.weight" and c.tie_word_embeddings):
+                continue
+            match = _FUSED.match(name)
+            if match is None:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {hf_name!r} for a {c.family} model")
+                _copy_into(params[name], tensor, hf_name)
+                loaded.add(name)
+                continue
+            prefix, part, suffix = match.group(1), match.group(2), match.group(3)
+            fused, order = (
+                ("self_attn.qkv_proj", ("q", "k", "v"))
+                if part in ("q", "k", "v")
+                else ("mlp.gate_up_proj", ("gate", "up"))
+            )
+            pending[f"{prefix}{part}|{suffix}"] = tensor
+            keys = [f"{prefix}{p}|{suffix}" for p in order]
+            if all(k in pending for k in keys):
+                target = f"{prefix}{fused}.{suffix}"
+                _copy_into(params[target], torch.cat([pending.pop(k) for k in keys], 0), target)
+                loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if pending or missing:
+            raise ValueError(f"incomplete weights: missing {(missing or sorted(pending))[:5]}")
+
+
+_FUSED = re.compile(r"^(layers\.\d+\.)(?:self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
+
+
+def _our_name(hf_name: str) -> str | None:
+    if hf_name.startswith("model."):
+        return hf_name[len("model.") :]
+    if hf_name == "lm_head.weight":
+        return hf_name
+    if "rotary_emb" in hf_name:
+        return None
+    return hf_name
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    param.copy_(tensor)

@@ -1,0 +1,109 @@
+"""Build a DecoderLM and fill it from safetensors, GGUF or random (dummy) weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from bulletserve.model.config import ModelConfig
+from bulletserve.model.decoder import DecoderLM
+from bulletserve.model.gguf_reader import read_gguf
+from bulletserve.model.presets import get_preset
+from bulletserve.model.source import ModelSource, cache_dir_for, publish_cache_folder
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`--dtype`: auto means bf16 (fast on AVX-512-bf16 CPUs and on GPUs)."""
+    if name == "auto":
+        return torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"--dtype must be auto or one of {', '.join(DTYPES)}, not {name!r}"
+        ) from None
+
+
+def load_config(source: ModelSource) -> ModelConfig:
+    if source.load_format == "dummy":
+        return get_preset(source.preset)
+    if source.load_format == "safetensors":
+        return ModelConfig.from_json_file(source.path / "config.json")
+    return ModelConfig.from_json_file(_converted_gguf(source.path) / "config.json")
+
+
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    seed: int = 0,
+) -> DecoderLM:
+    """A model ready to run, with weights of `dtype` on `device`."""
+    config = load_config(source)
+    with torch.device("meta"):
+        model = DecoderLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_rotary(device, max_positions)
+    if source.load_format == "dummy":
+        _fill_random(model, seed)
+    else:
+        folder = (
+            source.path if source.load_format == "safetensors" else _converted_gguf(source.path)
+        )
+        model.load_hf_weights(_safetensors_weights(folder))
+    return model.eval()
+
+
+def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@torch.inference_mode()
+def _fill_random(model: DecoderLM, seed: int) -> None:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            # Filled a row block at a time so an 8B model never needs a second fp32 copy.
+            for rows in torch.split(torch.arange(param.shape[0]), 4096):
+                block = torch.randn(len(rows), *param.shape[1:], generator=generator) * 0.02
+                param[rows[0] : rows[-1] + 1].copy_(block)
+
+
+def _converted_gguf(gguf_file: Path) -> Path:
+    """Dequantize a GGUF file once into a cached Hugging Face folder (config.json + fp32 weights)."""
+    folder = cache_dir_for(gguf_file, "weights") / "weights"
+    if (folder / "model.safetensors").exists():
+        return folder
+    hf_config, tensors = read_gguf(gguf_file)
+    ModelConfig.from_hf_dict(hf_config)  # validate before writing anything
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file(tensors, str(tmp / "model.safetensors"))
+    publish_cache_folder(tmp, folder)
+    return folder

@@ -1,0 +1,143 @@
+"""What a policy sees (a snapshot) and what it decides (a plan). Pure data, no torch, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """One request as the policy sees it."""
+
+    request_id: str
+    arrival_time: float
+    num_tokens: int  # prompt + generated so far
+    num_computed_tokens: int  # tokens whose KV is in the cache
+    num_blocks: int  # KV blocks held
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to compute before the next sample (1 for a decoding request)."""
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The engine's state at the start of a step."""
+
+    now: float
+    waiting: tuple[SeqView, ...]  # in queue order (preempted requests first)
+    running: tuple[SeqView, ...]  # in admission order, oldest first
+    free_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request_id: str
+    num_tokens: int  # tokens to compute this step
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step: which requests compute how many tokens, and which running ones to preempt."""
+
+    scheduled: tuple[ScheduledSeq, ...] = ()
+    preempted: tuple[str, ...] = ()
+    admitted: tuple[str, ...] = field(default=())  # waiting requests that start running
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.preempted
+
+
+class Policy(Protocol):
+    name: str
+
+    def plan(self, snapshot: SchedulerSnapshot) -> StepPlan: ...
+
+
+def blocks_needed(seq: SeqView, num_tokens: int, block_size: int) -> int:
+    """Extra blocks `seq` needs to hold `num_tokens` more tokens."""
+    total = seq.num_computed_tokens + num_tokens
+    return max(0, -(-total // block_size) - seq.num_blocks)
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    blocks: int
+    seqs: int
+
+
+class PlanBuilder:
+    """Accumulates a plan while tracking the token, block and sequence budgets."""
+
+    def __init__(self, snapshot: SchedulerSnapshot, token_budget: int) -> None:
+        self.snapshot = snapshot
+        self.budget = _Budget(token_budget, snapshot.free_blocks, snapshot.max_num_seqs)
+        self.scheduled: list[ScheduledSeq] = []
+        self.preempted: list[str] = []
+        self.admitted: list[str] = []
+
+    def schedule_running(self, chunk: bool) -> None:
+        """Schedule running requests oldest first; when blocks run out, preempt the newest.
+
+        With `chunk`, a request that is still prefilling gets as many tokens as the budget allows;
+        without it, every running request is decoding and needs exactly one.
+        """
+        running = list(self.snapshot.running)
+        self.budget.seqs -= len(running)
+        while running:
+            seq = running.pop(0)
+            num = min(seq.num_remaining, self.budget.tokens) if chunk else seq.num_remaining
+            if num <= 0:
+                continue
+            need = blocks_needed(seq, num, self.snapshot.block_size)
+            while need > self.budget.blocks and running:
+                victim = running.pop()
+                self._preempt(victim)
+            if need > self.budget.blocks:
+                self._preempt(seq)
+                continue
+            self._take(seq, num, need)
+
+    def admit_waiting(self, chunk: bool, allow_over_budget_first: bool = False) -> None:
+        """Admit waiting requests in queue order while budgets last; stop at the first that
+        does not fit (no overtaking, so the queue head cannot starve)."""
+        for seq in self.snapshot.waiting:
+            if self.budget.seqs <= 0 or self.preempted:
+                return
+            num = seq.num_remaining
+            if num > self.budget.tokens:
+                first = not self.scheduled and allow_over_budget_first
+                if chunk and self.budget.tokens > 0:
+                    num = self.budget.tokens
+                elif not first:
+                    return
+            need = blocks_needed(seq, num, self.snapshot.block_size)
+            if need > self.budget.blocks:
+                return
+            self.budget.seqs -= 1
+            self.admitted.append(seq.request_id)
+            self._take(seq, num, need)
+
+    def build(self) -> StepPlan:
+        return StepPlan(tuple(self.scheduled), tuple(self.preempted), tuple(self.admitted))
+
+    def _take(self, seq: SeqView, num: int, blocks: int) -> None:
+        self.scheduled.append(ScheduledSeq(seq.request_id, num))
+        self.budget.tokens -= num
+        self.budget.blocks -= blocks
+
+    def _preempt(self, seq: SeqView) -> None:
+        self.preempted.append(seq.request_id)
+        self.budget.blocks += seq.num_blocks
+        self.budget.seqs += 1
