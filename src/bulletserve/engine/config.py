@@ -53,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=None,
-        help="HF folder, .gguf file, or a preset with --load-format dummy (default: embedded SmolLM2-135M-Instruct)",
+        help="HF folder, .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
     )
     group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     group.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16 or float32")

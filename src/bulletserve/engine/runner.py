@@ -1,4 +1,4 @@
-"""Carries out one step of a plan on the device: builds the batch, runs the model, returns logits."""
+"""Carries out one step on the device: builds the batch, runs the model, returns logits."""
 
 from __future__ import annotations
 

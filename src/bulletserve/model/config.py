@@ -86,7 +86,8 @@ class ModelConfig:
         if family is None:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise UnsupportedModelError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {supported}"
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {supported}"
             )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

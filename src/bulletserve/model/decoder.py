@@ -145,7 +145,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """A decoder-only LM. A step is `embed`, `run_layers` over one or more layer groups, `logits`."""
+    """A decoder-only LM. A step: `embed`, `run_layers` over one or more layer groups, `logits`."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -192,7 +192,7 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face named tensors in, fusing q/k/v and gate/up; fail on anything missing."""
+        """Copy Hugging Face named tensors in, fusing q/k/v and gate/up; fail if any is missing."""
         params = dict(self.named_parameters())
         pending: dict[str, torch.Tensor] = {}
         loaded: set[str] = set()

@@ -59,7 +59,8 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise GGUFError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
+            f"{path}: unsupported GGUF architecture {arch!r}; "
+            f"supported: {', '.join(_ARCHITECTURES)}"
         )
     config = _hf_config(meta, arch, reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

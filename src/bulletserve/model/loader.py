@@ -95,7 +95,7 @@ def _fill_random(model: DecoderLM, seed: int) -> None:
 
 
 def _converted_gguf(gguf_file: Path) -> Path:
-    """Dequantize a GGUF file once into a cached Hugging Face folder (config.json + fp32 weights)."""
+    """Dequantize a GGUF file once into a cached HF folder (config.json + fp32 weights)."""
     folder = cache_dir_for(gguf_file, "weights") / "weights"
     if (folder / "model.safetensors").exists():
         return folder

@@ -1,4 +1,4 @@
-"""Where a model comes from: the embedded default, a Hugging Face folder, a GGUF file or a preset."""
+"""Where a model comes from: the embedded default, an HF folder, a GGUF file or a preset."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         return ModelSource("gguf", path, None, DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if not path.exists():
-        hint = f" (a dummy preset? add --load-format dummy)" if model in PRESETS else ""
+        hint = " (a dummy preset? add --load-format dummy)" if model in PRESETS else ""
         raise ModelNotFoundError(f"model path {model!r} does not exist{hint}")
     if path.is_dir():
         if load_format == "gguf":
