@@ -133,3 +133,19 @@ def test_predict_under_50_microseconds():
             model.predict(es)
         best = min(best, (time.perf_counter() - start) / n)
     assert best < 50e-6, f"predict took {best * 1e6:.1f} us"
+
+
+@pytest.mark.parametrize("hw", [H100, dataclasses.replace(H100, kind="cpu", gemm_tile=None)])
+def test_op_breakdown_sums_to_roofline(hw):
+    model = PerfModel(LLAMA, hw)
+    es = ExecutionState(
+        prefill_lens=(100, 700),
+        prefill_cached=(50, 0),
+        prefill_units=40,
+        decode_ctx=(10, 2000, 333),
+        decode_units=16,
+    )
+    for phase in ("prefill", "decode"):
+        breakdown = model.op_breakdown(es, phase)
+        assert "attention" in breakdown and "lm_head" in breakdown
+        assert sum(breakdown.values()) == pytest.approx(model.roofline(es, phase), rel=1e-12)

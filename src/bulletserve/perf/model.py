@@ -29,6 +29,7 @@ from bulletserve.perf.inventory import (
     op_templates,
     phase_counts,
     phase_layers,
+    step_ops,
 )
 from bulletserve.perf.state import ExecutionState
 
@@ -110,15 +111,15 @@ class PerfModel:
 
     def roofline(self, es: ExecutionState, phase: str, corun: bool = False) -> float:
         """T' for `phase` of `es` in seconds: uncalibrated, without the fixed overhead."""
-        counts = phase_counts(es, phase)
+        return self._roofline(es, phase, phase_counts(es, phase), corun)
+
+    def _roofline(self, es: ExecutionState, phase: str, counts: Counts, corun: bool) -> float:
         if counts[TOKENS] == 0:
             return 0.0
         units = self._check_units(
             es.prefill_units if phase == "prefill" else es.decode_units, phase
         )
-        hw = self.hw
-        c_p = self._c_peak * units / hw.units
-        d_p = hw.peak_bandwidth * min(1.0, units / hw.bandwidth_saturation_units)
+        c_p, d_p = self._unit_rates(units)
         if corun and phase == "decode" and self._corun_bw is not None:
             d_p = self._corun_bw(units)
         layers, first, last = phase_layers(self.cfg, es, phase)
@@ -132,30 +133,58 @@ class PerfModel:
     def _scope_time(
         self, scope: str, counts: Counts, c_p: float, d_p: float, units: float
     ) -> float:
+        # op_time inlined: this loop is the hot path of predict (test_perf_model checks both agree).
         n0, n1, n2, n3 = counts
         tile = self._tile
+        ceil = math.ceil
         total = 0.0
         for fl, by, fixed, gemm_n, rows in self._ops[scope]:
             flops = fl[0] * n0 + fl[1] * n1 + fl[2] * n2 + fl[3] * n3
-            nbytes = fixed + by[0] * n0 + by[1] * n1 + by[2] * n2 + by[3] * n3
-            gemm = (counts[rows], gemm_n) if gemm_n and tile is not None else None
-            total += op_time(flops, nbytes, c_p, d_p, units, gemm, tile)
+            t_mem = (fixed + by[0] * n0 + by[1] * n1 + by[2] * n2 + by[3] * n3) / d_p
+            if gemm_n and tile is not None:
+                tiles = ceil(counts[rows] / tile[0]) * ceil(gemm_n / tile[1])
+                t_comp = flops * ceil(tiles / units) * units / (c_p * tiles)
+            else:
+                t_comp = flops / c_p
+            total += t_comp if t_comp > t_mem else t_mem
         return total
+
+    def op_breakdown(self, es: ExecutionState, phase: str) -> dict[str, float]:
+        """Roofline seconds of each op of `phase` (all its instances), alone on its units."""
+        units = float(es.prefill_units if phase == "prefill" else es.decode_units)
+        c_p, d_p = self._unit_rates(units)
+        times = {}
+        for op in step_ops(self.cfg, es, phase, DTYPE_BYTES[self.dtype]):
+            gemm = (op.gemm_m, op.gemm_n) if op.gemm_n else None
+            t = op_time(op.flops, op.bytes, c_p, d_p, units, gemm, self._tile)
+            times[op.name] = op.repeat * t
+        return times
+
+    def _unit_rates(self, units: float) -> tuple[float, float]:
+        """(C_p, D_p) on `units` units."""
+        hw = self.hw
+        return (
+            self._c_peak * units / hw.units,
+            hw.peak_bandwidth * min(1.0, units / hw.bandwidth_saturation_units),
+        )
 
     def alpha(self, es: ExecutionState, phase: str, corun: bool = False) -> float:
         """The calibration factor for `phase` of `es` (1.0 where the profile has no points)."""
+        return self._alpha_at(es, phase, phase_counts(es, phase)[TOKENS], corun)
+
+    def _alpha_at(self, es: ExecutionState, phase: str, rows: float, corun: bool) -> float:
         surface = self._alpha.get(f"{phase}_corun") if corun else None
         surface = surface or self._alpha.get(phase)
         if surface is None:
             return 1.0
-        units = es.prefill_units if phase == "prefill" else es.decode_units
-        return surface(units, phase_counts(es, phase)[TOKENS])
+        return surface(es.prefill_units if phase == "prefill" else es.decode_units, rows)
 
     def _phase_time(self, es: ExecutionState, phase: str, corun: bool) -> float:
-        t = self.roofline(es, phase, corun)
+        counts = phase_counts(es, phase)
+        t = self._roofline(es, phase, counts, corun)
         if t == 0.0:
             return 0.0
-        return self.hw.step_overhead_s + self.alpha(es, phase, corun) * t
+        return self.hw.step_overhead_s + self._alpha_at(es, phase, counts[TOKENS], corun) * t
 
     def predict(self, es: ExecutionState) -> StepPrediction:
         """Prefill and decode step times of `es` in seconds (0 for an idle lane)."""

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile, Points, load_preset
-from bulletserve.perf.inventory import step_ops
-from bulletserve.perf.model import DTYPE_BYTES, op_time
+from bulletserve.perf.model import PerfModel
 from bulletserve.perf.state import ExecutionState
 
 GEMM_COLUMNS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -47,13 +46,8 @@ def _config(row: dict[str, str]) -> ModelConfig:
 def gemm_roofline(cfg: ModelConfig, hw: HardwareProfile, rows: int) -> float:
     """T' of one layer's four GEMMs at `rows` rows on all of `hw`'s units."""
     es = ExecutionState(prefill_lens=(rows,), prefill_units=hw.units)
-    c_p, d_p = hw.peak_flops[DTYPE], hw.peak_bandwidth
-    tile = hw.gemm_tile
-    return sum(
-        op_time(op.flops, op.bytes, c_p, d_p, hw.units, (op.gemm_m, op.gemm_n), tile)
-        for op in step_ops(cfg, es, "prefill", DTYPE_BYTES[DTYPE])
-        if op.name in GEMM_OPS
-    )
+    times = PerfModel(cfg, hw, DTYPE).op_breakdown(es, "prefill")
+    return sum(times[name] for name in GEMM_OPS)
 
 
 def gemm_alpha_points(path: str | Path, hw: HardwareProfile, powers_of_two: bool = True) -> Points:
