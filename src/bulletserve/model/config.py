@@ -89,6 +89,11 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {supported}"
             )
+        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+            raise UnsupportedModelError(
+                f"unsupported MLP: hidden_act={cfg.get('hidden_act')!r}, "
+                f"mlp_bias={cfg.get('mlp_bias')}"
+            )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")

@@ -1,0 +1,186 @@
+"""The engine end to end on a tiny random model (fp32): invariance, preemption, stops, aborts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bulletserve import LLM, SamplingParams
+from bulletserve.engine.engine import LLMEngine
+
+BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # layers * (k, v) * kv heads * head dim * fp32 * block
+
+
+def _prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _llm(model_dir, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(model=str(model_dir), **kwargs)
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, max_num_seqs=1)
+    return [o.token_ids for o in llm.generate(_prompts(10, seed=5), GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"policy": "chunked", "chunked_prefill_size": 2048},
+        {"policy": "chunked", "chunked_prefill_size": 16},
+        {"policy": "chunked", "chunked_prefill_size": 5},
+        {"policy": "prefill-first"},
+        {"policy": "chunked", "kv_cache_memory": str(20 * BYTES_PER_BLOCK)},
+        {"policy": "prefill-first", "kv_cache_memory": str(20 * BYTES_PER_BLOCK)},
+    ],
+    ids=[
+        "chunked-2048",
+        "chunked-16",
+        "chunked-5",
+        "prefill-first",
+        "chunked-preempt",
+        "pf-preempt",
+    ],
+)
+def test_greedy_output_independent_of_batch_policy_and_preemption(
+    tiny_llama_dir, alone_outputs, settings
+):
+    llm = _llm(tiny_llama_dir, **settings)
+    outputs = llm.generate(_prompts(10, seed=5), GREEDY)
+    assert [o.token_ids for o in outputs] == alone_outputs
+    if "kv_cache_memory" in settings:
+        assert sum(o.num_preemptions for o in outputs) > 0
+    assert llm.engine.pool.allocator.num_used == 0
+
+
+def test_300_requests_through_a_small_pool_all_finish(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, kv_cache_memory=str(24 * BYTES_PER_BLOCK), chunked_prefill_size=64)
+    rng = random.Random(7)
+    prompts = _prompts(300, seed=8, low=1, high=120)
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 0.8]), ignore_eos=True
+        )
+        for _ in prompts
+    ]
+    outputs = llm.generate(prompts, params)
+    assert len(outputs) == 300
+    for output, p in zip(outputs, params, strict=True):
+        assert output.finished and output.finish_reason == "length"
+        assert len(output.token_ids) == p.max_tokens
+    allocator = llm.engine.pool.allocator
+    assert allocator.num_free == allocator.num_blocks
+    assert llm.engine.num_preemptions > 0
+    assert not llm.engine.requests
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    prompt = _prompts(1, seed=9)[0]
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batch = llm.generate([prompt, *_prompts(5, seed=10)], [seeded] + [others] * 5)
+    assert batch[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    assert llm.generate([prompt], other_seed)[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy_and_logprobs_are_consistent(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    prompt = _prompts(1, seed=11)[0]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    top1 = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=8, temperature=1.5, top_k=1, logprobs=3, ignore_eos=True),
+    )[0]
+    assert top1.token_ids == greedy[0].token_ids
+    assert len(top1.logprobs) == 8
+    for token, entry in zip(top1.token_ids, top1.logprobs, strict=True):
+        assert entry.token_id == token
+        assert len(entry.top) == 3
+        assert entry.top[0][0] == token  # the greedy token is the most likely one
+        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+        assert entry.logprob == pytest.approx(entry.top[0][1])
+
+
+def test_top_p_keeps_sampling_within_the_nucleus(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    prompt = _prompts(1, seed=12)[0]
+    tiny_p = SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert (
+        llm.generate([prompt], tiny_p)[0].token_ids == llm.generate([prompt], greedy)[0].token_ids
+    )
+
+
+def test_stop_string_truncates_the_text(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    prompt = "Hello there"
+    full = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop.strip(), full.text
+    stopped = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(stop)]
+
+
+def test_stop_token_ids_and_max_model_len(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, max_model_len=32)
+    prompt = _prompts(1, seed=13, low=20, high=20)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 32
+    third = out.token_ids[2]
+    stop_at = SamplingParams(max_tokens=100, temperature=0, stop_token_ids=[third])
+    stopped = llm.generate([prompt], stop_at)[0]
+    assert (
+        stopped.finish_reason == "stop"
+        and stopped.token_ids == out.token_ids[: out.token_ids.index(third) + 1]
+    )
+
+
+def test_abort_frees_blocks_at_once(tiny_llama_dir):
+    engine: LLMEngine = _llm(tiny_llama_dir).engine
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in _prompts(4, seed=14)]
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.allocator.num_used > 0
+    for request_id in ids:
+        engine.abort_request(request_id)
+    outputs = engine.step()
+    assert {o.request_id for o in outputs if o.finish_reason == "abort"} == set(ids)
+    assert engine.pool.allocator.num_used == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+    ],
+)
+def test_bad_sampling_params_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_too_long_is_rejected_and_engine_stays_usable(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, max_model_len=16)
+    with pytest.raises(ValueError, match="the prompt has 40 tokens; --max-model-len is 16"):
+        llm.generate([[5] * 4, [5] * 40], GREEDY)
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate([[5] * 4], SamplingParams(max_tokens=3))[0].token_ids) == 3
