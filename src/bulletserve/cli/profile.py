@@ -1,0 +1,95 @@
+"""`bullet profile`: measure this device and write a hardware profile for the performance model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bulletserve.cli import CLIError
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    parser = subparsers.add_parser(
+        name, help="measure the device (peaks, N_d, step times) and fit the performance model"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder, .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy")
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16, float32")
+    parser.add_argument("--output", type=Path, default=Path("profile.json"))
+    parser.add_argument("--name", default=None, help="profile name (default: the device's)")
+    parser.add_argument("--quick", action="store_true", help="a smaller sweep (under 2 minutes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run)
+
+
+def _device_name(device) -> str:
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def summary(hw, samples) -> str:
+    """The unit sweep and the fitted alpha range per phase and unit count, as a text table."""
+    lines = [
+        f"{hw.name}: {hw.units} {'SMs' if hw.kind == 'gpu' else 'threads'}, "
+        f"N_d = {hw.bandwidth_saturation_units}, step overhead "
+        f"{hw.step_overhead_s * 1e6:.0f} us",
+        f"{'units':>6} {'GEMM GFLOP/s':>13} {'copy GB/s':>10}",
+    ]
+    for p in hw.calibration.unit_sweep:
+        lines.append(f"{p.units:>6} {p.gemm_flops / 1e9:>13.1f} {p.bandwidth / 1e9:>10.1f}")
+    lines.append(f"{'phase':<14} {'units':>6} {'points':>6} {'alpha min':>9} {'max':>7}")
+    for phase, table in hw.calibration.alpha.items():
+        for units, pts in table.items():
+            alphas = [a for _, a in pts]
+            lines.append(
+                f"{phase:<14} {units:>6} {len(pts):>6} {min(alphas):>9.2f} {max(alphas):>7.2f}"
+            )
+    lines.append(f"{len(samples)} measured steps")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from bulletserve.engine.engine import resolve_device
+    from bulletserve.model.loader import load_model, resolve_dtype
+    from bulletserve.model.source import ModelNotFoundError, resolve_model
+    from bulletserve.perf.measure.units import UnitsUnavailableError, unit_provider
+    from bulletserve.perf.profiler import PLANS, profile_device
+
+    plan = PLANS["quick" if args.quick else "default"]
+    started = time.perf_counter()
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype)
+        units = unit_provider(device)
+        source = resolve_model(args.model, args.load_format)
+        max_positions = max(plan.prefill_lens + plan.corun_prefill_lens + plan.decode_contexts)
+        model = load_model(source, dtype, device, max_positions, seed=args.seed)
+    except (ModelNotFoundError, UnitsUnavailableError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    name = args.name or _device_name(device)
+    print(
+        f"profiling {name} with {source.name} ({dtype}), {'quick' if args.quick else 'full'} sweep",
+        file=sys.stderr,
+    )
+    with torch.inference_mode():
+        hw, samples = profile_device(model, units, plan, name, lambda s: print(s, file=sys.stderr))
+    hw.save(args.output)
+    print(summary(hw, samples))
+    print(f"wrote {args.output} in {time.perf_counter() - started:.0f} s")
+    return 0

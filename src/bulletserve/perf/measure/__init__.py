@@ -1,0 +1,1 @@
+"""Measurements behind `bullet profile` (these modules import torch)."""

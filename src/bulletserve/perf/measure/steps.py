@@ -1,0 +1,139 @@
+"""Real prefill and decode steps through the engine's model runner, alone and co-running."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from bulletserve.engine.runner import ModelRunner, SeqWork
+from bulletserve.kv.pool import KVPool
+from bulletserve.model.decoder import DecoderLM
+from bulletserve.perf.measure.timing import time_call
+from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs
+
+Units = CpuThreads | GreenContextSMs
+
+
+class StepBench:
+    """Times steps of `model`; each lane gets its own runner over one shared KV pool."""
+
+    def __init__(self, model: DecoderLM, units: Units, max_tokens: int, block_size: int = 16):
+        self.model, self.units, self.block_size = model, units, block_size
+        dtype = next(model.parameters()).dtype
+        blocks = -(-max_tokens // block_size) + 64
+        self.pool = KVPool(model.config, blocks, block_size, dtype, units.device)
+        self._runners = [ModelRunner(model, self.pool, units.device) for _ in range(2)]
+        self._vocab = model.config.vocab_size
+
+    def _works(self, lens: list[int], starts: list[int]) -> list[SeqWork]:
+        works = []
+        gen = torch.Generator().manual_seed(len(lens))
+        for n, start in zip(lens, starts, strict=True):
+            blocks = self.pool.allocator.allocate(-(-(start + n) // self.block_size))
+            ids = torch.randint(1, self._vocab, (n,), generator=gen).tolist()
+            works.append(SeqWork(ids, start, blocks, samples=True))
+        return works
+
+    def _free(self, works: list[SeqWork]) -> None:
+        for w in works:
+            self.pool.allocator.free(w.block_table)
+
+    def prefill_works(self, lens: list[int]) -> list[SeqWork]:
+        return self._works(lens, [0] * len(lens))
+
+    def decode_works(self, batch: int, context: int) -> list[SeqWork]:
+        """`batch` one-token steps at `context` (the new token included)."""
+        return self._works([1] * batch, [context - 1] * batch)
+
+    def _step(self, lane: int, works: list[SeqWork]) -> Callable[[], object]:
+        runner = self._runners[lane]
+        return lambda: runner.execute(works)
+
+    def alone(self, works: list[SeqWork], count: int, repeats: int) -> float:
+        """Median seconds of one step of `works` on `count` units, nothing else running."""
+        try:
+            with self.units.lane(count):
+                return time_call(self._step(0, works), self.units.synchronize, repeats)
+        finally:
+            self._free(works)
+
+    def corun(
+        self,
+        prefill: list[SeqWork],
+        prefill_units: int,
+        decode: list[SeqWork],
+        repeats: int,
+    ) -> tuple[float, float]:
+        """(prefill, decode) median step seconds with both lanes running at once: prefill on
+        `prefill_units` units and decode on the rest, decode stepping for as long as the
+        `repeats` prefill steps last (decode steps that end after the prefill are dropped)."""
+        prefill_times: list[float] = []
+        decode_times: list[float] = []
+        ready = threading.Barrier(2)
+        done = threading.Event()
+        errors: list[BaseException] = []
+        sync = self.units.synchronize
+
+        def prefill_lane() -> None:
+            try:
+                with self.units.lane(prefill_units):
+                    step = self._step(0, prefill)
+                    step()
+                    sync()
+                    ready.wait()
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        step()
+                        sync()
+                        prefill_times.append(time.perf_counter() - start)
+            except BaseException as exc:  # re-raised on the calling thread
+                errors.append(exc)
+                ready.abort()
+            finally:
+                done.set()
+
+        def decode_lane() -> None:
+            try:
+                with self.units.lane(prefill_units, rest=True):
+                    step = self._step(1, decode)
+                    step()
+                    sync()
+                    ready.wait()
+                    while not done.is_set():
+                        start = time.perf_counter()
+                        step()
+                        sync()
+                        if not done.is_set():
+                            decode_times.append(time.perf_counter() - start)
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as exc:
+                errors.append(exc)
+                ready.abort()
+
+        threads = [threading.Thread(target=prefill_lane), threading.Thread(target=decode_lane)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            self._free(prefill)
+            self._free(decode)
+        if errors:
+            raise errors[0]
+        if not decode_times:
+            raise RuntimeError("no decode step finished while the prefill ran; use more repeats")
+        return statistics.median(prefill_times), statistics.median(decode_times)
+
+    def prepare_overhead(self, repeats: int) -> float:
+        """Host-side seconds to build a one-sequence decode batch: the fixed cost of a step."""
+        works = self.decode_works(1, 2)
+        try:
+            return time_call(lambda: self._runners[0].prepare(works), lambda: None, repeats)
+        finally:
+            self._free(works)

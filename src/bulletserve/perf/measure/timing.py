@@ -1,0 +1,20 @@
+"""Wall-clock timing of device work."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def time_call(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `repeats` calls of `fn` after one warm-up call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

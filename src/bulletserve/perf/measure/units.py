@@ -1,0 +1,126 @@
+"""Compute units a measuring thread runs on: CPU intra-op threads or CUDA green-context SMs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+
+class UnitsUnavailableError(RuntimeError):
+    """The device cannot be partitioned (no CUDA, no green contexts, too few SMs)."""
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class CpuThreads:
+    """Units are intra-op threads; `torch.set_num_threads` applies to the calling OS thread."""
+
+    kind = "cpu"
+    granularity = 1
+    min_units = 1
+
+    def __init__(self) -> None:
+        self.total = usable_cores()
+        self.device = torch.device("cpu")
+
+    @contextlib.contextmanager
+    def lane(self, units: int, rest: bool = False) -> Iterator[None]:
+        """Run the body on `units` threads (`rest`: on the threads the other lane left)."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.total - units if rest else units)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+    def synchronize(self) -> None:
+        """CPU work is synchronous."""
+
+
+class GreenContextSMs:
+    """Units are SMs of one CUDA device, split into disjoint green contexts through the driver
+    API (`cuDevSmResourceSplitByCount`): one group of the lane's SMs and the remainder, each
+    with its own stream. Needs CUDA and the `cuda-bindings` package (CUDA >= 12.4 driver)."""
+
+    kind = "gpu"
+
+    def __init__(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise UnitsUnavailableError("--device cuda: CUDA is not available")
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            raise UnitsUnavailableError(
+                "--device cuda needs green contexts through the `cuda-bindings` package "
+                "(pip install cuda-bindings)"
+            ) from None
+        self._driver = driver
+        self.device = device
+        torch.cuda.init()
+        props = torch.cuda.get_device_properties(device)
+        self.total = props.multi_processor_count
+        self.granularity = self.min_units = 8 if props.major >= 9 else 2
+        if props.major < 9:
+            self.min_units = 4
+        self._cu_dev = self._check(driver.cuDeviceGet(device.index or 0))
+        self._resource = self._check(
+            driver.cuDeviceGetDevResource(
+                self._cu_dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+            )
+        )
+        self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._keep: list[object] = []  # green contexts must outlive their streams
+
+    def _check(self, result: tuple) -> object:
+        err = result[0]
+        if int(err) != 0:
+            _, name = self._driver.cuGetErrorName(err)
+            raise UnitsUnavailableError(f"CUDA driver call failed: {name}")
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _stream_for(self, resource: object) -> torch.cuda.Stream:
+        d = self._driver
+        desc = self._check(d.cuDevResourceGenerateDesc([resource], 1))
+        ctx = self._check(
+            d.cuGreenCtxCreate(
+                desc, self._cu_dev, d.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
+            )
+        )
+        stream = self._check(
+            d.cuGreenCtxStreamCreate(ctx, d.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
+        )
+        self._keep += [ctx, stream]
+        return torch.cuda.ExternalStream(int(stream), device=self.device)
+
+    def _split(self, units: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if units not in self._streams:
+            groups, count, rest = self._check(
+                self._driver.cuDevSmResourceSplitByCount(1, self._resource, 0, units)
+            )
+            if count < 1 or groups[0].sm.smCount != units:
+                raise UnitsUnavailableError(f"cannot carve a green context of {units} SMs")
+            self._streams[units] = (self._stream_for(groups[0]), self._stream_for(rest))
+        return self._streams[units]
+
+    @contextlib.contextmanager
+    def lane(self, units: int, rest: bool = False) -> Iterator[None]:
+        """Run the body on a green context of `units` SMs (`rest`: on the SMs left over)."""
+        if units >= self.total and not rest:
+            yield
+            return
+        group, remainder = self._split(units)
+        with torch.cuda.stream(remainder if rest else group):
+            yield
+
+    def synchronize(self) -> None:
+        """Wait for the calling lane's stream only, so two lanes are timed independently."""
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+def unit_provider(device: torch.device) -> CpuThreads | GreenContextSMs:
+    return GreenContextSMs(device) if device.type == "cuda" else CpuThreads()

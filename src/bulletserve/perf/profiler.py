@@ -1,0 +1,170 @@
+"""`bullet profile`: measure a device, sweep real steps, fit the model, build a profile."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bulletserve.model.decoder import DecoderLM
+from bulletserve.perf.fit import StepSample, calibrate, saturation_units
+from bulletserve.perf.hardware import HardwareProfile, UnitPoint
+from bulletserve.perf.measure.micro import bandwidth, bandwidth_corun, gemm_rate
+from bulletserve.perf.measure.steps import StepBench
+from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs
+from bulletserve.perf.state import ExecutionState
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    gemm_n: int
+    bandwidth_bytes: int
+    micro_repeats: int
+    prefill_lens: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    corun_prefill_lens: tuple[int, ...]  # each against the middle decode shape
+    corun_decode_batches: tuple[int, ...]  # each against the middle prefill length
+    repeats: int
+    max_unit_counts: int  # at most this many unit counts are swept (evenly spread)
+
+    @property
+    def max_tokens(self) -> int:
+        decode = max(self.decode_batches + self.corun_decode_batches) * max(self.decode_contexts)
+        return max(self.prefill_lens + self.corun_prefill_lens) + decode
+
+
+PLANS = {
+    "default": SweepPlan(
+        gemm_n=2048,
+        bandwidth_bytes=256 << 20,
+        micro_repeats=5,
+        prefill_lens=(32, 128, 512, 1024, 2048),
+        decode_batches=(1, 4, 16, 32, 64),
+        decode_contexts=(128, 512, 1024),
+        corun_prefill_lens=(128, 512, 2048),
+        corun_decode_batches=(1, 4, 16, 64),
+        repeats=3,
+        max_unit_counts=6,
+    ),
+    "quick": SweepPlan(
+        gemm_n=1024,
+        bandwidth_bytes=64 << 20,
+        micro_repeats=3,
+        prefill_lens=(64, 256, 1024),
+        decode_batches=(1, 8, 32),
+        decode_contexts=(256,),
+        corun_prefill_lens=(256, 1024),
+        corun_decode_batches=(1, 8, 32),
+        repeats=2,
+        max_unit_counts=3,
+    ),
+}
+
+
+def unit_counts(valid: list[int], limit: int) -> list[int]:
+    """At most `limit` of the valid counts, spread evenly, always with the smallest and all."""
+    if len(valid) <= limit:
+        return valid
+    step = (len(valid) - 1) / (limit - 1)
+    return sorted({valid[round(i * step)] for i in range(limit)})
+
+
+def _es_prefill(lens: tuple[int, ...], units: int) -> ExecutionState:
+    return ExecutionState(prefill_lens=lens, prefill_units=units)
+
+
+def _es_decode(batch: int, context: int, units: int) -> ExecutionState:
+    return ExecutionState(decode_ctx=(context,) * batch, decode_units=units)
+
+
+def measure_device(
+    units: CpuThreads | GreenContextSMs, plan: SweepPlan, name: str, log: Callable[[str], None]
+) -> HardwareProfile:
+    """Peaks, N_d and the unit sweep; no step calibration yet."""
+    gran, min_units = units.granularity, units.min_units
+    skeleton = HardwareProfile(
+        name, units.kind, True, units.total, gran, min_units, {"float32": 1.0}, 1.0, 1, 0.0
+    )
+    counts = unit_counts(skeleton.valid_units(), plan.max_unit_counts)
+    sweep, flops = [], {}
+    for c in counts:
+        rate = gemm_rate(units, plan.gemm_n, torch.bfloat16, c, plan.micro_repeats)
+        bw = bandwidth(units, plan.bandwidth_bytes, c, plan.micro_repeats)
+        sweep.append(UnitPoint(c, rate, bw))
+        log(f"  {c:>4} units: GEMM {rate / 1e9:9.1f} GFLOP/s (bf16), copy {bw / 1e9:7.1f} GB/s")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        flops[DTYPE_NAMES[dtype]] = gemm_rate(
+            units, plan.gemm_n, dtype, units.total, plan.micro_repeats
+        )
+    return dataclasses.replace(
+        skeleton,
+        peak_flops=flops,
+        peak_bandwidth=max(p.bandwidth for p in sweep),
+        bandwidth_saturation_units=saturation_units(sweep),
+        gemm_tile=(128, 128) if units.kind == "gpu" else None,
+        calibration=dataclasses.replace(skeleton.calibration, unit_sweep=tuple(sweep)),
+    )
+
+
+def sweep_steps(
+    bench: StepBench, counts: list[int], plan: SweepPlan, log: Callable[[str], None]
+) -> list[StepSample]:
+    """Prefill and decode steps alone at each unit count, and co-running at each split."""
+    samples = []
+    reps = plan.repeats
+    for c in counts:
+        for n in plan.prefill_lens:
+            t = bench.alone(bench.prefill_works([n]), c, reps)
+            samples.append(StepSample(_es_prefill((n,), c), "prefill", False, t))
+        for b in plan.decode_batches:
+            for ctx in plan.decode_contexts:
+                t = bench.alone(bench.decode_works(b, ctx), c, reps)
+                samples.append(StepSample(_es_decode(b, ctx, c), "decode", False, t))
+        log(
+            f"  {c:>4} units: {len(plan.prefill_lens)} prefill and "
+            f"{len(plan.decode_batches) * len(plan.decode_contexts)} decode shapes alone"
+        )
+    total = bench.units.total
+    mid_len = plan.corun_prefill_lens[len(plan.corun_prefill_lens) // 2]
+    mid_batch = plan.corun_decode_batches[len(plan.corun_decode_batches) // 2]
+    ctx = plan.decode_contexts[len(plan.decode_contexts) // 2]
+    pairs = {(n, mid_batch) for n in plan.corun_prefill_lens}
+    pairs |= {(mid_len, b) for b in plan.corun_decode_batches}
+    for p in [c for c in counts if c < total]:
+        for n, b in sorted(pairs):
+            tp, td = bench.corun(bench.prefill_works([n]), p, bench.decode_works(b, ctx), reps)
+            es = ExecutionState(
+                prefill_lens=(n,), prefill_units=p, decode_ctx=(ctx,) * b, decode_units=total - p
+            )
+            samples += [StepSample(es, "prefill", True, tp), StepSample(es, "decode", True, td)]
+        log(f"  split {p}/{total - p}: {len(pairs)} co-running shapes")
+    return samples
+
+
+def profile_device(
+    model: DecoderLM,
+    units: CpuThreads | GreenContextSMs,
+    plan: SweepPlan,
+    name: str,
+    log: Callable[[str], None],
+) -> tuple[HardwareProfile, list[StepSample]]:
+    """Measure, sweep and fit: the profile and the step samples it was fitted to."""
+    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+    log("peak GEMM rate and copy bandwidth per unit count:")
+    hw = measure_device(units, plan, name, log)
+    counts = [p.units for p in hw.calibration.unit_sweep]
+    bw_corun = tuple(
+        (float(c), bandwidth_corun(units, plan.bandwidth_bytes, c, plan.gemm_n, plan.micro_repeats))
+        for c in counts
+        if c < units.total
+    )
+    bench = StepBench(model, units, plan.max_tokens)
+    hw = dataclasses.replace(hw, step_overhead_s=bench.prepare_overhead(20))
+    log("step sweeps through the model runner:")
+    samples = sweep_steps(bench, counts, plan, log)
+    return calibrate(model.config, hw, dtype, samples, bw_corun), samples
