@@ -10,6 +10,7 @@ import sys
 # `bullet bench` does not pay for torch and `bullet --help` stays fast.
 SUBCOMMANDS = {
     "generate": "bulletserve.cli.generate",
+    "bench": "bulletserve.cli.bench",
     "profile": "bulletserve.cli.profile",
 }
 

@@ -1,0 +1,135 @@
+"""PNG plots of one or more result files: sweep curves, latency CDFs and a TTFT timeline.
+
+Every result is one line, named by its label; simulated results are drawn dashed and labeled
+with their hardware, so measured and simulated curves can share a figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bulletserve.bench.metrics import tpot_s  # noqa: E402
+from bulletserve.bench.records import BenchResult, RunResult  # noqa: E402
+from bulletserve.bench.report import lookup, rate_name  # noqa: E402
+
+# (file name, y-axis title, path into the summary, scale)
+SWEEP_PLOTS = (
+    ("attainment.png", "SLO attainment (%)", ("slo", "attainment"), 100.0),
+    ("throughput.png", "Output throughput (tok/s)", ("output_throughput",), 1.0),
+    ("p90_ttft.png", "P90 TTFT (ms)", ("ttft_ms", "p90"), 1.0),
+    ("p90_tpot.png", "P90 TPOT (ms)", ("tpot_ms", "p90"), 1.0),
+)
+
+
+def plot_results(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
+    """Write all plots for these results into out_dir; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [
+        path
+        for name, ylabel, key, scale in SWEEP_PLOTS
+        if (path := _sweep_plot(results, out_dir / name, ylabel, key, scale)) is not None
+    ]
+    written.append(_cdf_plot(results, out_dir / "latency_cdf.png"))
+    written.append(_timeline_plot(results, out_dir / "ttft_timeline.png"))
+    return written
+
+
+def _style(result: BenchResult) -> dict:
+    return {"linestyle": "--" if result.simulated else "-", "label": result.display_label}
+
+
+def _finite_runs(result: BenchResult) -> list[RunResult]:
+    return sorted(
+        (run for run in result.runs if not math.isinf(run.request_rate)),
+        key=lambda run: run.request_rate,
+    )
+
+
+def _sweep_plot(
+    results: Sequence[BenchResult], path: Path, ylabel: str, key: tuple[str, ...], scale: float
+) -> Path | None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for result in results:
+        points = [(run.request_rate, lookup(run.summary, key)) for run in _finite_runs(result)]
+        points = [(x, y * scale) for x, y in points if y is not None]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", **_style(result))
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("Request rate (req/s)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _cdf_plot(results: Sequence[BenchResult], path: Path) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    metrics = (
+        ("TTFT (ms)", lambda r: r.ttft_s),
+        ("TPOT (ms)", tpot_s),
+        ("E2E latency (ms)", lambda r: r.e2el_s),
+    )
+    for ax, (title, value) in zip(axes, metrics, strict=True):
+        for result in results:
+            for run in result.runs:
+                values = (value(r) for r in run.requests if r.success)
+                data = [v * 1000 for v in values if v is not None]
+                if not data:
+                    continue
+                xs = np.sort(data)
+                ys = np.arange(1, len(xs) + 1) / len(xs)
+                style = _style(result)
+                style["label"] += f" @ {rate_name(run.request_rate)}"
+                ax.step(xs, ys, where="post", **style)
+        ax.set_xlabel(title)
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _timeline_plot(results: Sequence[BenchResult], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for result in results:
+        for run in result.runs:
+            done = [r for r in run.requests if r.success and r.ttft_s is not None]
+            if not done:
+                continue
+            style = _style(result)
+            ax.scatter(
+                [r.arrival_s for r in done],
+                [r.ttft_s * 1000 for r in done],
+                s=8,
+                marker="x" if result.simulated else "o",
+                label=f"{style['label']} @ {rate_name(run.request_rate)}",
+            )
+    ax.set_xlabel("Arrival time in run (s)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,69 @@
+"""One load level: send the workload on its arrival schedule, collect the records, summarize."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from bulletserve.bench.client import Target, send_request
+from bulletserve.bench.datasets import WorkloadRequest
+from bulletserve.bench.metrics import SLO, summarize
+from bulletserve.bench.records import RequestRecord, RunResult
+
+
+@dataclass(frozen=True)
+class LoadLevel:
+    """How hard to push: the mean rate (inf: all at once), burstiness and a concurrency cap."""
+
+    request_rate: float
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+
+
+async def run_level(
+    client: httpx.AsyncClient,
+    target: Target,
+    workload: Sequence[WorkloadRequest],
+    arrivals: Sequence[float],
+    level: LoadLevel,
+    count_tokens: Callable[[str], int],
+    slo: SLO | None = None,
+    goodput_ms: dict[str, float] | None = None,
+    progress: bool = True,
+) -> RunResult:
+    """Send every request at its arrival time (seconds from now) and wait for all of them."""
+    semaphore = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None
+    bar = tqdm(total=len(workload), desc=f"rate {level.request_rate:g}", disable=not progress)
+    records = [
+        RequestRecord(index=i, input_len=w.input_len, max_tokens=w.output_len, arrival_s=t)
+        for i, (w, t) in enumerate(zip(workload, arrivals, strict=True))
+    ]
+    origin = time.perf_counter()
+
+    async def one(request: WorkloadRequest, record: RequestRecord) -> None:
+        delay = origin + record.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with semaphore or contextlib.nullcontext():
+            await send_request(client, target, request.prompt, record, count_tokens, origin)
+        bar.update(1)
+
+    try:
+        await asyncio.gather(*(one(w, r) for w, r in zip(workload, records, strict=True)))
+    finally:
+        bar.close()
+    duration = time.perf_counter() - origin
+    return RunResult(
+        request_rate=level.request_rate,
+        burstiness=level.burstiness,
+        max_concurrency=level.max_concurrency,
+        duration_s=duration,
+        summary=summarize(records, duration, slo, goodput_ms),
+        requests=records,
+    )

@@ -1,0 +1,242 @@
+"""`bullet bench`: load an OpenAI-compatible server and measure it (vLLM's metric definitions).
+
+bullet bench --base-url URL --dataset SPEC --num-prompts N --request-rate R [...]
+bullet bench compare A.json B.json ...
+bullet bench plot A.json B.json ... --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from pathlib import Path
+
+from bulletserve.cli import CLIError
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    parser = subparsers.add_parser(
+        name,
+        help="benchmark a serving endpoint (bulletserve, vLLM, SGLang)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.set_defaults(run=run)
+    actions = parser.add_subparsers(dest="bench_action", metavar="{compare,plot}")
+    compare = actions.add_parser("compare", help="runs side by side, with ratios to the first")
+    compare.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
+    plot = actions.add_parser("plot", help="draw the plots of one or more result files")
+    plot.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
+    plot.add_argument("--out", type=Path, required=True, metavar="DIR")
+
+    target = parser.add_argument_group("server")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000")
+    target.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    target.add_argument("--model", help="model name to request (default: the server's first)")
+    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    target.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="fail a request that goes S seconds without data (default 600)",
+    )
+
+    data = parser.add_argument_group("workload")
+    data.add_argument(
+        "--dataset",
+        default="sharegpt-like",
+        help="sharegpt:PATH, azure:PATH, random, sharegpt-like, azure-code-like, "
+        "arxiv-sum-like (default sharegpt-like)",
+    )
+    data.add_argument("--num-prompts", type=int, default=200)
+    data.add_argument(
+        "--tokenizer",
+        metavar="NAME_OR_PATH",
+        help="tokenizer that sets prompt lengths (default: the embedded default "
+        "model's, which dummy presets share)",
+    )
+    data.add_argument("--input-len", type=int, default=1024, help="random: input tokens")
+    data.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+    data.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths uniform in len*(1-r)..len*(1+r)",
+    )
+    data.add_argument(
+        "--max-model-len",
+        type=int,
+        help="shrink lengths to fit this context (default: the server's, if listed)",
+    )
+    data.add_argument("--seed", type=int, default=0)
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", default="inf", help="mean requests/s, or inf")
+    load.add_argument("--request-rates", metavar="R1,R2,...", help="a sweep, e.g. 2,4,8")
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier",
+    )
+    load.add_argument("--max-concurrency", type=int)
+    load.add_argument(
+        "--trace-arrivals",
+        action="store_true",
+        help="azure: send at the trace's timestamps (scaled to the rate unless inf)",
+    )
+    load.add_argument("--ignore-eos", action="store_true")
+
+    slo = parser.add_argument_group("SLOs")
+    slo.add_argument(
+        "--slo-ttft-per-token-ms",
+        type=float,
+        help="normalized TTFT SLO (default: the paper's for the dataset)",
+    )
+    slo.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO (default: the paper's)")
+    slo.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        help="goodput SLOs, e.g. ttft:500 tpot:50 e2el:10000",
+    )
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--label", help="name of this run in tables and plots")
+    out.add_argument("--output", type=Path, metavar="RESULT.json")
+    out.add_argument("--plot", type=Path, metavar="DIR")
+    out.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_action == "compare":
+        from bulletserve.bench.report import compare_table
+
+        print(compare_table(_load_all(args.files)))
+        return 0
+    if args.bench_action == "plot":
+        from bulletserve.bench.plots import plot_results
+
+        for path in plot_results(_load_all(args.files), args.out):
+            print(path)
+        return 0
+    return _run_benchmark(args)
+
+
+def _load_all(paths: list[Path]) -> list:
+    from bulletserve.bench.records import load_result
+
+    try:
+        return [load_result(path) for path in paths]
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+    from bulletserve.bench.client import ServerUnreachable
+    from bulletserve.bench.datasets import RandomLengths
+    from bulletserve.bench.report import summary_table
+    from bulletserve.bench.sweep import BenchConfig, run_benchmark
+    from bulletserve.bench.tokenizer import bench_tokenizer
+
+    config = BenchConfig(
+        base_url=args.base_url,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        request_rates=_rates(args),
+        endpoint=args.endpoint,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        burstiness=_positive(args.burstiness, "--burstiness"),
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        max_model_len=args.max_model_len,
+        random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
+        trace_arrivals=args.trace_arrivals,
+        slo=_slo(args),
+        goodput_ms=_goodput(args.goodput),
+        label=args.label,
+        api_key=args.api_key,
+        request_timeout_s=args.request_timeout,
+    )
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise CLIError("--max-concurrency must be at least 1")
+    try:
+        tokenizer = bench_tokenizer(args.tokenizer)
+        result = asyncio.run(
+            run_benchmark(
+                config,
+                tokenizer,
+                progress=not args.no_progress,
+                on_run=lambda run: print(summary_table(run), flush=True),
+            )
+        )
+    except (ServerUnreachable, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    if args.output:
+        result.save(args.output)
+        print(f"results: {args.output}")
+    if args.plot:
+        from bulletserve.bench.plots import plot_results
+
+        plot_results([result], args.plot)
+        print(f"plots: {args.plot}/")
+    failed = sum(run.summary["failed"] for run in result.runs)
+    sent = sum(run.summary["num_requests"] for run in result.runs)
+    if failed:
+        print(f"{failed} of {sent} requests failed", file=sys.stderr)
+    return 1 if failed == sent else 0
+
+
+def _rates(args: argparse.Namespace) -> tuple[float, ...]:
+    text = args.request_rates or args.request_rate
+    try:
+        rates = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise CLIError(f"request rates must be numbers or inf, not {text!r}") from None
+    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+        raise CLIError(f"request rates must be positive (or inf), not {text!r}")
+    return rates
+
+
+def _positive(value: float, flag: str) -> float:
+    if not value > 0:
+        raise CLIError(f"{flag} must be positive")
+    return value
+
+
+def _slo(args: argparse.Namespace):
+    from bulletserve.bench.datasets import PAPER_SLOS, dataset_family
+    from bulletserve.bench.metrics import SLO
+
+    default = PAPER_SLOS.get(dataset_family(args.dataset) or "")
+    ttft = args.slo_ttft_per_token_ms or (default.ttft_per_token_ms if default else None)
+    tpot = args.slo_tpot_ms or (default.tpot_ms if default else None)
+    if ttft is None and tpot is None:
+        return None
+    if ttft is None or tpot is None:
+        raise CLIError("give both --slo-ttft-per-token-ms and --slo-tpot-ms for this dataset")
+    return SLO(ttft, tpot)
+
+
+def _goodput(items: list[str] | None) -> dict[str, float] | None:
+    from bulletserve.bench.metrics import GOODPUT_METRICS
+
+    if not items:
+        return None
+    limits = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        try:
+            limits[key] = float(value)
+        except ValueError:
+            raise CLIError(f"--goodput expects KEY:MS, not {item!r}") from None
+        if key not in GOODPUT_METRICS or limits[key] <= 0:
+            raise CLIError(f"--goodput keys are {', '.join(GOODPUT_METRICS)} with positive ms")
+    return limits
