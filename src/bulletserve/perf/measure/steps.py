@@ -68,54 +68,44 @@ class StepBench:
         decode: list[SeqWork],
         repeats: int,
     ) -> tuple[float, float]:
-        """(prefill, decode) median step seconds with both lanes running at once: prefill on
-        `prefill_units` units and decode on the rest, decode stepping for as long as the
-        `repeats` prefill steps last (decode steps that end after the prefill are dropped)."""
-        prefill_times: list[float] = []
-        decode_times: list[float] = []
+        """(prefill, decode) median step seconds with both lanes running at once, prefill on
+        `prefill_units` units and decode on the rest. Each lane keeps stepping until both have
+        `repeats` steps that ended while the other lane was still running."""
+        times: list[list[float]] = [[], []]
         ready = threading.Barrier(2)
-        done = threading.Event()
+        stop = threading.Event()
+        lock = threading.Lock()
         errors: list[BaseException] = []
         sync = self.units.synchronize
 
-        def prefill_lane() -> None:
+        def lane(index: int, works: list[SeqWork]) -> None:
             try:
-                with self.units.lane(prefill_units):
-                    step = self._step(0, prefill)
+                with self.units.lane(prefill_units, rest=index == 1):
+                    step = self._step(index, works)
                     step()
                     sync()
                     ready.wait()
-                    for _ in range(repeats):
+                    while not stop.is_set():
                         start = time.perf_counter()
                         step()
                         sync()
-                        prefill_times.append(time.perf_counter() - start)
-            except BaseException as exc:  # re-raised on the calling thread
-                errors.append(exc)
-                ready.abort()
-            finally:
-                done.set()
-
-        def decode_lane() -> None:
-            try:
-                with self.units.lane(prefill_units, rest=True):
-                    step = self._step(1, decode)
-                    step()
-                    sync()
-                    ready.wait()
-                    while not done.is_set():
-                        start = time.perf_counter()
-                        step()
-                        sync()
-                        if not done.is_set():
-                            decode_times.append(time.perf_counter() - start)
+                        with lock:
+                            if stop.is_set():
+                                break
+                            times[index].append(time.perf_counter() - start)
+                            if min(len(times[0]), len(times[1])) >= repeats:
+                                stop.set()
             except threading.BrokenBarrierError:
                 pass
-            except BaseException as exc:
+            except BaseException as exc:  # re-raised on the calling thread
                 errors.append(exc)
+                stop.set()
                 ready.abort()
 
-        threads = [threading.Thread(target=prefill_lane), threading.Thread(target=decode_lane)]
+        threads = [
+            threading.Thread(target=lane, args=(0, prefill)),
+            threading.Thread(target=lane, args=(1, decode)),
+        ]
         try:
             for t in threads:
                 t.start()
@@ -126,9 +116,7 @@ class StepBench:
             self._free(decode)
         if errors:
             raise errors[0]
-        if not decode_times:
-            raise RuntimeError("no decode step finished while the prefill ran; use more repeats")
-        return statistics.median(prefill_times), statistics.median(decode_times)
+        return statistics.median(times[0]), statistics.median(times[1])
 
     def prepare_overhead(self, repeats: int) -> float:
         """Host-side seconds to build a one-sequence decode batch: the fixed cost of a step."""

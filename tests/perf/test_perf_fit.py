@@ -1,0 +1,50 @@
+"""Fitting a profile from measurements: N_d, alpha exact on the measured points."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bulletserve.model.presets import PRESETS
+from bulletserve.perf.fit import StepSample, calibrate, saturation_units
+from bulletserve.perf.hardware import HardwareProfile, UnitPoint
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.state import ExecutionState
+
+CFG = PRESETS["smollm2-135m"]
+HW = HardwareProfile("cpu", "cpu", True, 4, 1, 1, {"bfloat16": 4e11}, 4e10, 2, 1e-4)
+
+
+def test_saturation_units():
+    sweep = [UnitPoint(1, 1, 10e9), UnitPoint(2, 1, 19e9), UnitPoint(4, 1, 20e9)]
+    assert saturation_units(sweep) == 2
+
+
+def test_calibrated_model_reproduces_its_samples():
+    samples = []
+    for units in (1, 2, 4):
+        for n in (32, 256, 1024):
+            es = ExecutionState(prefill_lens=(n,), prefill_units=units)
+            samples.append(StepSample(es, "prefill", False, 0.01 * n / units + 0.002))
+        for b in (1, 16):
+            es = ExecutionState(decode_ctx=(300,) * b, decode_units=units)
+            samples.append(StepSample(es, "decode", False, 0.003 * b + 0.01))
+    both = ExecutionState(
+        prefill_lens=(256,), prefill_units=2, decode_ctx=(300,) * 16, decode_units=2
+    )
+    samples += [StepSample(both, "prefill", True, 2.0), StepSample(both, "decode", True, 0.09)]
+    hw = calibrate(CFG, HW, "bfloat16", samples, ((2.0, 1e10),))
+    assert set(hw.calibration.alpha) == {"prefill", "decode", "prefill_corun", "decode_corun"}
+    model = PerfModel(CFG, hw)
+    for s in samples:
+        es = (
+            s.es
+            if s.corun
+            else dataclasses.replace(
+                s.es, **({"decode_ctx": ()} if s.phase == "prefill" else {"prefill_lens": ()})
+            )
+        )
+        got = model.predict(es)
+        assert getattr(got, f"{s.phase}_s") == pytest.approx(s.measured_s, rel=1e-9)
+    assert HardwareProfile.from_dict(hw.to_dict()) == hw

@@ -1,0 +1,68 @@
+"""`bullet profile` end to end on the tiny dummy model with a very small sweep."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from bulletserve.cli import main
+from bulletserve.model.loader import load_model
+from bulletserve.model.source import resolve_model
+from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs, UnitsUnavailableError
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.profiler import PLANS, profile_device, unit_counts
+from bulletserve.perf.state import ExecutionState
+
+TINY_PLAN = dataclasses.replace(
+    PLANS["quick"],
+    gemm_n=128,
+    bandwidth_bytes=1 << 20,
+    micro_repeats=1,
+    prefill_lens=(8, 32),
+    decode_batches=(1, 4),
+    decode_contexts=(16,),
+    corun_prefill_lens=(32,),
+    corun_decode_batches=(2,),
+    repeats=1,
+)
+
+
+def test_unit_counts_spread():
+    assert unit_counts([1, 2], 6) == [1, 2]
+    assert unit_counts(list(range(8, 136, 8)), 4) == [8, 48, 88, 128]
+
+
+def test_profile_tiny_model(tmp_path):
+    model = load_model(resolve_model("tiny", "dummy"), torch.float32, torch.device("cpu"), 64)
+    lines = []
+    with torch.inference_mode():
+        hw, samples = profile_device(model, CpuThreads(), TINY_PLAN, "test-cpu", lines.append)
+    assert hw.measured and hw.kind == "cpu" and hw.units == CpuThreads().total
+    assert set(hw.peak_flops) == {"bfloat16", "float16", "float32"}
+    assert 1 <= hw.bandwidth_saturation_units <= hw.units
+    assert {"prefill", "decode"} <= set(hw.calibration.alpha)
+    path = tmp_path / "p.json"
+    hw.save(path)
+    assert HardwareProfile.load(path) == hw
+    # The fitted model reproduces an alone sample it was fitted to.
+    model_ = PerfModel(model.config, hw, "float32")
+    sample = next(s for s in samples if s.phase == "prefill" and not s.corun)
+    es = ExecutionState(prefill_lens=sample.es.prefill_lens, prefill_units=sample.units)
+    assert model_.predict(es).prefill_s == pytest.approx(sample.measured_s, rel=1e-6)
+
+
+def test_green_contexts_fail_clearly_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(UnitsUnavailableError, match="CUDA is not available"):
+        GreenContextSMs(torch.device("cuda"))
+
+
+def test_cli_rejects_cuda_without_it(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert main(["profile", "--device", "cuda", "--quick"]) == 2
+    assert "CUDA" in capsys.readouterr().err
