@@ -119,6 +119,9 @@ async def send_request(
                     done = True
                     break
                 event = json.loads(data)
+                if not isinstance(event, dict):
+                    record.error = f"malformed stream event: {data[:100]}"
+                    return
                 if "error" in event:
                     record.error = f"server error: {json.dumps(event['error'])[:200]}"
                     return
@@ -126,9 +129,10 @@ async def send_request(
                 if piece is not None:
                     record.token_times_s.append(now - start)
                     text_parts.append(piece)
-                if event.get("usage"):
-                    usage_tokens = event["usage"].get("completion_tokens")
-                    record.input_len = event["usage"].get("prompt_tokens") or record.input_len
+                usage = event.get("usage")
+                if isinstance(usage, dict):
+                    usage_tokens = usage.get("completion_tokens")
+                    record.input_len = usage.get("prompt_tokens") or record.input_len
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
         return
