@@ -1,0 +1,73 @@
+"""End to end with the embedded default model (SmolLM2-135M-Instruct from its GGUF file)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bulletserve import LLM, SamplingParams
+from bulletserve.model.source import default_model_file
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+]
+
+
+@pytest.fixture(scope="module")
+def llm_fp32() -> LLM:
+    return LLM(dtype="float32", max_model_len=1024)
+
+
+def test_greedy_output_equals_transformers_generate(llm_fp32):
+    """transformers dequantizes the GGUF file with its own code, so this also checks our
+    GGUF conversion (the q/k row permutation in particular)."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = default_model_file()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    tokenizer = llm_fp32.tokenizer
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ours = llm_fp32.generate(PROMPTS, params)
+    for prompt, output in zip(PROMPTS, ours, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            expected = reference.generate(
+                ids, max_new_tokens=24, do_sample=False, min_new_tokens=24
+            )
+        assert output.token_ids == expected[0, ids.shape[1] :].tolist()
+
+
+def test_cli_answers_paris():
+    command = [sys.executable, "-m", "bulletserve.cli", "generate", "--chat", "--temperature", "0"]
+    command += ["--prompt", "What is the capital of France?", "--max-tokens", "32"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_cli_bad_input_is_one_clear_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    cases = [
+        (["--model", str(tmp_path / "missing")], "does not exist"),
+        (["--model", str(bad)], "GGUF"),
+        (["--max-tokens", "0"], "--max-tokens: max_tokens must be >= 1"),
+        (["--temperature", "-1"], "--temperature: temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
+        (["--max-model-len", "2"], "--max-model-len is 2"),
+    ]
+    for extra, message in cases:
+        command = [sys.executable, "-m", "bulletserve.cli", "generate", "--prompt", "Hello world"]
+        result = subprocess.run(command + extra, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2, (extra, result.stderr)
+        assert message in result.stderr, (extra, result.stderr)
+        assert "Traceback" not in result.stderr

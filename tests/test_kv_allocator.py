@@ -1,0 +1,65 @@
+"""The block allocator is shared by two lanes: all-or-nothing, thread-safe, leak-checked."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from bulletserve.kv.allocator import BlockAllocator, OutOfBlocksError
+from bulletserve.kv.pool import parse_memory
+
+
+def test_allocate_is_all_or_nothing():
+    allocator = BlockAllocator(8)
+    first = allocator.allocate(5)
+    with pytest.raises(OutOfBlocksError, match="asked for 4 KV blocks, 3 free"):
+        allocator.allocate(4)
+    assert allocator.num_free == 3
+    allocator.free(first)
+    assert allocator.num_free == 8
+    assert BlockAllocator.NULL_BLOCK not in allocator.allocate(8)
+
+
+def test_concurrent_allocate_and_free_never_hand_out_a_block_twice():
+    allocator = BlockAllocator(64)
+    owned: list[list[int]] = [[], []]
+    errors = []
+
+    def worker(index: int) -> None:
+        try:
+            for round_ in range(2000):
+                if round_ % 3 == 2 and owned[index]:
+                    allocator.free(owned[index])
+                    owned[index] = []
+                else:
+                    try:
+                        owned[index] += allocator.allocate(1 + round_ % 4)
+                    except OutOfBlocksError:
+                        pass
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert not set(owned[0]) & set(owned[1])
+    assert allocator.num_free + len(owned[0]) + len(owned[1]) == 64
+
+
+def test_double_free_is_detected():
+    allocator = BlockAllocator(2)
+    blocks = allocator.allocate(2)
+    allocator.free(blocks)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        allocator.free(blocks)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("4GiB", 4 * 2**30), ("512MB", 512e6), ("0.25", 0.25), ("1e9", 1e9)]
+)
+def test_kv_cache_memory_parsing(text, value):
+    assert parse_memory(text) == value

@@ -1,0 +1,37 @@
+"""Tokenizer loading from the GGUF metadata, and streaming detokenization."""
+
+from __future__ import annotations
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
+
+TOKENIZER = load_tokenizer(None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=40))
+def test_streamed_deltas_join_to_the_full_text_and_are_never_broken(text):
+    ids = TOKENIZER.encode(text, add_special_tokens=False)
+    assume(TOKENIZER.decode(ids) == text)  # characters outside the vocabulary's bytes do not
+    detok = IncrementalDetokenizer(TOKENIZER, [1, 2, 3])
+    deltas = [detok.add(token) for token in ids]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_multibyte_characters_are_held_until_complete():
+    ids = TOKENIZER.encode("日本語 🤖", add_special_tokens=False)
+    detok = IncrementalDetokenizer(TOKENIZER, [])
+    deltas = [detok.add(token) for token in ids]
+    assert "".join(deltas) == "日本語 🤖"
+    assert all(d == "" or "\ufffd" not in d for d in deltas)
+
+
+def test_chat_template_and_end_of_turn_token():
+    messages = [{"role": "user", "content": "Hi"}]
+    text = TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    im_end = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in stop_token_ids(TOKENIZER, ())
