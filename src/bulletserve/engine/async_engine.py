@@ -1,0 +1,120 @@
+"""The engine on its own thread, with each request streaming into an asyncio queue.
+
+The server awaits `generate(...)`; the engine thread steps while there is work and sleeps on an
+event otherwise. A client that stops iterating (disconnects) aborts its request, which frees its
+KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.request import RequestOutput
+from bulletserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread hit a fault; the request cannot complete."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config)
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="bullet-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_streams(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput after every step that advanced the request, the last one
+        finished. ValueError (bad input) is raised before the first yield."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has failed: {self.error!r}")
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = stream
+        finished = False
+        try:
+            self.engine.add_request(prompt, params, request_id, arrival_time or time.monotonic())
+            self._wake.set()
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request(request_id)
+                self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            if not engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a fault fails every request; /health reports it
+                logger.exception("engine step failed")
+                self.error = exc
+                self._fail_all(EngineDeadError(f"engine fault: {exc}"))
+                return
+            for output in outputs:
+                self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.items())
+        for request_id, _ in streams:
+            self._deliver(request_id, error)
