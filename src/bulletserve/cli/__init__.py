@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "generate": "bulletserve.cli.generate",
     "bench": "bulletserve.cli.bench",
     "profile": "bulletserve.cli.profile",
+    "serve": "bulletserve.cli.serve",
 }
 
 

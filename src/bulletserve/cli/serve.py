@@ -1,0 +1,91 @@
+"""`bullet serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from bulletserve.cli import CLIError
+from bulletserve.engine.config import EngineConfig, add_engine_args
+from bulletserve.server.settings import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ServerSettings,
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    parser = subparsers.add_parser(name, help="serve the OpenAI-compatible API over HTTP")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: --model)"
+    )
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("BULLET_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $BULLET_API_KEY)",
+    )
+    server.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="answer 429 while this many requests wait to be scheduled",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="answer 413 to larger request bodies",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    add_engine_args(parser)
+    parser.set_defaults(run=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port must be in [0, 65535], got {args.port}")
+    for flag in ("max_waiting_requests", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            raise CLIError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.shutdown_timeout < 0:
+        raise CLIError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bulletserve.engine.async_engine import AsyncEngine
+    from bulletserve.model.gguf_reader import GGUFError
+    from bulletserve.model.source import ModelNotFoundError
+    from bulletserve.server.app import build_app
+    from bulletserve.server.launch import make_server
+
+    _check(args)
+    try:
+        engine = AsyncEngine(EngineConfig.from_args(args))
+    except (ModelNotFoundError, GGUFError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or engine.engine.source.name,
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_bytes=args.max_request_bytes,
+    )
+    server = make_server(
+        build_app(engine, settings), args.host, args.port, args.shutdown_timeout, args.log_level
+    )
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

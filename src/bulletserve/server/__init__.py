@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`bullet serve`) and its Prometheus metrics."""

@@ -1,0 +1,75 @@
+"""The FastAPI application: routes, error handlers, guards and the engine's lifetime."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import bulletserve
+from bulletserve.engine.async_engine import AsyncEngine
+from bulletserve.server.chat import ChatServing
+from bulletserve.server.completions import CompletionServing
+from bulletserve.server.errors import error_response, install_error_handlers
+from bulletserve.server.metrics import ServerMetrics
+from bulletserve.server.middleware import GuardMiddleware
+from bulletserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from bulletserve.server.serving import Serving, now
+from bulletserve.server.settings import ServerSettings
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500)}
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The API over a running AsyncEngine, which the caller owns (and shuts down)."""
+    app = FastAPI(title="bulletserve", version=bulletserve.__version__)
+    install_error_handlers(app)
+    app.add_middleware(
+        GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes
+    )
+    metrics = ServerMetrics(engine.engine, settings.served_model_name)
+    serving = Serving(engine, settings, metrics)
+    completions = CompletionServing(serving)
+    chat = ChatServing(serving)
+    model_card = ModelCard(
+        id=settings.served_model_name,
+        created=now(),
+        root=engine.engine.source.name,
+        max_model_len=engine.engine.max_model_len,
+    )
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy:
+            return Response(status_code=200)
+        return error_response(503, f"the engine has failed: {engine.error!r}")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": bulletserve.__version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

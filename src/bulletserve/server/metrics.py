@@ -1,0 +1,129 @@
+"""Prometheus metrics, named like vLLM's with a `bullet:` prefix.
+
+Latency histograms are observed when a request finishes; the queue, KV-cache and preemption
+figures are read from the engine at scrape time. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.request import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters that the engine already keeps."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        engine, labels = self.engine, [self.model_name]
+        allocator = engine.pool.allocator
+        families = [
+            (
+                "bullet:num_requests_running",
+                "Requests in the running batch.",
+                len(engine.running),
+            ),
+            (
+                "bullet:num_requests_waiting",
+                "Requests waiting to be scheduled.",
+                len(engine.waiting),
+            ),
+            ("bullet:kv_cache_blocks_used", "KV-cache blocks in use.", allocator.num_used),
+            ("bullet:kv_cache_blocks_total", "KV-cache blocks in the pool.", allocator.num_blocks),
+            (
+                "bullet:kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (0 to 1).",
+                allocator.num_used / max(1, allocator.num_blocks),
+            ),
+        ]
+        for name, documentation, value in families:
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        preemptions = CounterMetricFamily(
+            "bullet:num_preemptions", "Requests preempted (KV blocks freed, to recompute).",
+            labels=["model_name"],
+        )  # fmt: skip
+        preemptions.add_metric(labels, engine.num_preemptions)
+        yield preemptions
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+
+        self.ttft = histogram(
+            "bullet:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.tpot = histogram(
+            "bullet:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            _TPOT_BUCKETS,
+        ).labels(model_name)
+        self.e2e = histogram(
+            "bullet:e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.queue = histogram(
+            "bullet:request_queue_time_seconds",
+            "Arrival to first scheduled step.",
+            _LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "bullet:prompt_tokens", "Prompt tokens of finished requests.", labels,
+            registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        self.generation_tokens = Counter(
+            "bullet:generation_tokens", "Generated tokens (finished and aborted requests).",
+            labels, registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        self._finished = Counter(
+            "bullet:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record a request that ended (finished or aborted)."""
+        timings = output.timings
+        self.generation_tokens.inc(len(output.token_ids))
+        if not output.finished or output.finish_reason == "abort":
+            return
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self._finished.labels(self.model_name, output.finish_reason or "stop").inc()
+        if timings.first_scheduled is not None:
+            self.queue.observe(timings.first_scheduled - timings.arrival)
+        if timings.first_token is not None:
+            self.ttft.observe(timings.first_token - timings.arrival)
+            if timings.finished is not None:
+                self.e2e.observe(timings.finished - timings.arrival)
+                if len(output.token_ids) > 1:
+                    decode_time = timings.finished - timings.first_token
+                    self.tpot.observe(decode_time / (len(output.token_ids) - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

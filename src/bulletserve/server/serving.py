@@ -1,0 +1,175 @@
+"""What both generation endpoints share: checks, sampling settings, the request lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+
+from bulletserve.engine.async_engine import AsyncEngine, EngineDeadError
+from bulletserve.engine.request import RequestOutput
+from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.server.errors import APIError, error_body
+from bulletserve.server.metrics import ServerMetrics
+from bulletserve.server.protocol import Usage, _SamplingFields
+from bulletserve.server.settings import ServerSettings
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def usage(output: RequestOutput) -> Usage:
+    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+class Serving:
+    """Turns a validated request into engine work and engine outputs into a request's life."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics):
+        self.async_engine = engine
+        self.engine = engine.engine
+        self.tokenizer = engine.engine.tokenizer
+        self.settings = settings
+        self.metrics = metrics
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name
+
+    def admit(self, body: _SamplingFields) -> None:
+        """Reject what no generation can serve, before any tokenization."""
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist", "model")
+        if body.n != 1:
+            raise APIError(400, f"only n=1 is supported, got n={body.n}", "n")
+        if not self.async_engine.healthy:
+            raise APIError(500, f"the engine has failed: {self.async_engine.error!r}")
+        queued = self.async_engine.num_streams - len(self.engine.running)
+        if queued >= self.settings.max_waiting_requests:
+            raise APIError(
+                429,
+                f"the server is busy: {queued} requests are waiting "
+                f"(--max-waiting-requests {self.settings.max_waiting_requests}); retry later",
+            )
+
+    def sampling_params(
+        self,
+        body: _SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        """Check the prompt against the context and build the engine's settings (400 on error)."""
+        try:
+            self.engine.check_prompt(prompt_ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
+        room = self.engine.max_model_len - len(prompt_ids)
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.engine.max_model_len} tokens, but "
+                f"{len(prompt_ids) + max_tokens} were requested ({len(prompt_ids)} in the prompt "
+                f"and {max_tokens} for the completion): lower max_tokens or shorten the prompt",
+                "max_tokens",
+            )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens if max_tokens is not None else room,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0,
+                seed=body.seed,
+                stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+                ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+
+    async def outputs(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request; the last one goes to the metrics."""
+        last: RequestOutput | None = None
+        try:
+            async for output in self.async_engine.generate(prompt_ids, params, request_id):
+                last = output
+                yield output
+        finally:
+            if last is not None:
+                self.metrics.observe(last)
+
+    async def final_output(
+        self, request: Request, outputs: AsyncIterator[RequestOutput]
+    ) -> RequestOutput | None:
+        """Run a request to the end; None (and the request aborted) if the client disconnects
+        first. A failed engine is a 500."""
+        work = asyncio.ensure_future(_last(outputs))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()  # closes the engine stream, which aborts the request
+        if work.cancelled():
+            return None
+        try:
+            return work.result()
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc)) from None
+
+    async def stream(
+        self,
+        outputs: AsyncIterator[RequestOutput],
+        events: Callable[[RequestOutput], list[str]],
+        final_events: Callable[[RequestOutput], list[str]],
+    ) -> AsyncIterator[str]:
+        """Server-sent events: `events(output)` for each engine output, `final_events(last)`
+        after the last one, an error event if the engine fails, and `[DONE]`."""
+        try:
+            last = None
+            async for output in outputs:
+                last = output
+                for payload in events(output):
+                    yield sse(payload)
+            if last is not None:
+                for payload in final_events(last):
+                    yield sse(payload)
+        except EngineDeadError as exc:
+            yield sse(error_body(500, str(exc)).model_dump_json())
+        except ValueError as exc:
+            yield sse(error_body(400, str(exc)).model_dump_json())
+        yield sse("[DONE]")
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Unix seconds, for the `created` field."""
+    return int(time.time())
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in outputs:
+        last = output
+    if last is None or not last.finished:
+        raise EngineDeadError("the engine stream ended without a finished output")
+    return last
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
