@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 
@@ -34,7 +35,7 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
-        self.engine = engine or LLMEngine(config)
+        self.engine = engine or create_engine(config)
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._wake = threading.Event()

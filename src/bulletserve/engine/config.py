@@ -24,10 +24,18 @@ class EngineConfig:
     kv_cache_memory: str | None = None  # bytes or a fraction of free memory
     policy: str = "chunked"
     num_threads: int | None = None  # CPU intra-op threads; default: all usable cores
+    # Bullet (--policy bullet) only:
+    partition: str = "auto"  # auto | none | static:P/D
+    slo_ttft_per_token_ms: float = 3.0
+    slo_tpot_ms: float = 150.0
+    prefill_layers_per_step: int | None = None  # None: all layers in one step
+    hardware_profile: str | None = None  # a `bullet profile` JSON; default: measured at start
+    step_log: str | None = None  # a JSON line per lane step
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
         positive += ["max_model_len", "chunked_prefill_size", "num_threads"]
+        positive += ["prefill_layers_per_step", "slo_ttft_per_token_ms", "slo_tpot_ms"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -36,6 +44,10 @@ class EngineConfig:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
+        if not (self.partition in ("auto", "none") or self.partition.startswith("static:")):
+            raise ValueError(
+                f"--partition must be auto, none or static:P/D, not {self.partition!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
 
@@ -73,3 +85,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads (default: all usable cores)"
     )
+    bullet = parser.add_argument_group("bullet (--policy bullet)")
+    bullet.add_argument(
+        "--partition",
+        default="auto",
+        help="auto (the scheduler splits units per step), none (both lanes on every unit), "
+        "or static:P/D (P units for prefill, D for decode)",
+    )
+    bullet.add_argument("--slo-ttft-per-token-ms", type=float, default=3.0)
+    bullet.add_argument("--slo-tpot-ms", type=float, default=150.0)
+    bullet.add_argument(
+        "--prefill-layers-per-step",
+        type=int,
+        default=None,
+        help="run a prefill in groups of N layers so the split can change inside it",
+    )
+    bullet.add_argument("--hardware-profile", default=None, help="a `bullet profile` JSON file")
+    bullet.add_argument("--step-log", default=None, help="write one JSON line per lane step")

@@ -30,7 +30,7 @@ from bulletserve.model.loader import load_config, load_model, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
 from bulletserve.sched import make_policy
-from bulletserve.sched.base import SchedulerSnapshot, SeqView, StepPlan
+from bulletserve.sched.base import Policy, SchedulerSnapshot, SeqView, StepPlan
 
 
 class PromptTooLongError(ValueError):
@@ -81,7 +81,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.sampler = Sampler(config.seed)
-        self.policy = make_policy(config.policy, config.chunk_size)
+        self.policy = self._make_policy()
         self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -93,6 +93,9 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.num_preemptions = 0
+
+    def _make_policy(self) -> Policy:
+        return make_policy(self.config.policy, self.config.chunk_size)
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -227,8 +230,7 @@ class LLMEngine:
         preempted = [r for r in self.running if r.request_id in set(plan.preempted)]
         for request in preempted:
             self.running.remove(request)
-            self.pool.allocator.free(request.block_table)
-            request.block_table = []
+            self._release_blocks(request)
             request.num_computed_tokens = 0
             request.state = RequestState.WAITING
             request.num_preemptions += 1
@@ -286,6 +288,9 @@ class LLMEngine:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._release_blocks(request)
+
+    def _release_blocks(self, request: Request) -> None:
         if request.block_table:
             self.pool.allocator.free(request.block_table)
             request.block_table = []

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ class LLM:
     def __init__(
         self, model: str | None = None, policy: str = "chunked", **engine_args: Any
     ) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, policy=policy, **engine_args))
+        self.engine = create_engine(EngineConfig(model=model, policy=policy, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -6,7 +6,7 @@ from bulletserve.sched.base import Policy
 from bulletserve.sched.chunked import ChunkedPolicy
 from bulletserve.sched.prefill_first import PrefillFirstPolicy
 
-POLICIES = ("chunked", "prefill-first")
+POLICIES = ("chunked", "prefill-first", "bullet")
 
 
 def make_policy(name: str, chunk_size: int) -> Policy:
@@ -14,4 +14,6 @@ def make_policy(name: str, chunk_size: int) -> Policy:
         return ChunkedPolicy(chunk_size)
     if name == "prefill-first":
         return PrefillFirstPolicy()
+    if name == "bullet":
+        raise ValueError("the bullet policy runs two lanes: build it with the laned engine")
     raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {name!r}")

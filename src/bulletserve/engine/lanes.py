@@ -1,0 +1,446 @@
+"""Bullet's executor: a prefill lane and a decode lane on their own threads, sharing the weights
+and the KV pool, each running on the units the scheduler gives it at every step.
+
+Each lane loops: under the state lock, take a snapshot and ask the policy for a plan, apply its
+bookkeeping; release the lock and run the model on the lane's units; retake the lock to sample
+and publish outputs. Blocks of a request that a lane is computing are freed only after that
+lane's step ends, so an abort never hands out memory a kernel is still writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.engine import LLMEngine, _view
+from bulletserve.engine.request import Request, RequestOutput, RequestState
+from bulletserve.engine.runner import SeqWork, StepBatch
+from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs, unit_provider
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.profiler import DTYPE_NAMES, PLANS, measure_device
+from bulletserve.perf.state import ExecutionState
+from bulletserve.sched.bullet import (
+    BulletPlan,
+    BulletPolicy,
+    BulletSnapshot,
+    LatencyStats,
+    PrefillInFlight,
+    Slo,
+    Split,
+    UnitSpace,
+)
+
+logger = logging.getLogger(__name__)
+
+STATS_WINDOW = 64  # recent requests behind the P90 TTFT and TPOT the scheduler sees
+IDLE_WAIT_S = 0.005
+
+
+def parse_partition(text: str, total_units: int) -> tuple[str, Split | None]:
+    """`--partition auto|none|static:P/D` -> (mode, static split)."""
+    if text in ("auto", "none"):
+        return text, None
+    try:
+        prefill, decode = (int(x) for x in text.removeprefix("static:").split("/"))
+    except ValueError:
+        raise ValueError(f"--partition static must look like static:P/D, not {text!r}") from None
+    if prefill + decode > total_units:
+        raise ValueError(f"--partition {text}: P + D exceeds the device's {total_units} units")
+    return "static", Split(prefill, decode)
+
+
+class LatencyWindow:
+    """P90 normalized TTFT and TPOT over the last STATS_WINDOW finished requests."""
+
+    def __init__(self) -> None:
+        self.ttft_per_token: deque[float] = deque(maxlen=STATS_WINDOW)
+        self.tpot: deque[float] = deque(maxlen=STATS_WINDOW)
+
+    def add(self, request: Request) -> None:
+        t = request.timings
+        if t.first_token is None or t.finished is None:
+            return
+        self.ttft_per_token.append((t.first_token - t.arrival) / len(request.prompt_token_ids))
+        if len(request.output_token_ids) > 1:
+            self.tpot.append((t.finished - t.first_token) / (len(request.output_token_ids) - 1))
+
+    def stats(self) -> LatencyStats:
+        return LatencyStats(_p90(self.ttft_per_token), _p90(self.tpot))
+
+
+def _p90(values: deque[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+@dataclass
+class PrefillBatch:
+    """The prefill lane's batch: whole prompts (plus tokens to recompute after preemption)."""
+
+    requests: list[Request]
+    batch: StepBatch
+    hidden: torch.Tensor | None = None
+    layers_done: int = 0
+
+
+class LanedEngine(LLMEngine):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._state = threading.Condition(threading.RLock())
+        self._outputs: queue.Queue[RequestOutput] = queue.Queue()
+        self._latency = LatencyWindow()
+        self._prefill: PrefillBatch | None = None
+        self._busy: set[str] = set()  # requests some lane is computing right now
+        self.split = Split(0, self.units.total)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._step_log = open(config.step_log, "a") if config.step_log else None  # noqa: SIM115
+        self.prediction_error: dict[str, float] = {}
+        self.lane_error: BaseException | None = None  # lane -> last |predicted/measured - 1|
+
+    def _make_policy(self) -> BulletPolicy:
+        self.units: CpuThreads | GreenContextSMs = unit_provider(self.device)
+        dtype = DTYPE_NAMES[self.dtype]
+        profile = self._hardware_profile()
+        mode, static = parse_partition(self.config.partition, self.units.total)
+        self.perf = PerfModel(self.model_config, profile, dtype)
+        return BulletPolicy(
+            perf=self.perf,
+            units=UnitSpace(self.units.total, self.units.granularity, self.units.min_units),
+            num_layers=self.model_config.num_layers,
+            slo=Slo(self.config.slo_ttft_per_token_ms / 1e3, self.config.slo_tpot_ms / 1e3),
+            layers_per_step=self.config.prefill_layers_per_step,
+            partition=mode,
+            static_split=static,
+        )
+
+    def _hardware_profile(self) -> HardwareProfile:
+        if self.config.hardware_profile:
+            return HardwareProfile.load(self.config.hardware_profile)
+        logger.warning(
+            "no --hardware-profile: measuring peak GEMM rate and bandwidth now (a few seconds); "
+            "`bullet profile` gives the scheduler calibrated predictions"
+        )
+        return measure_device(self.units, PLANS["quick"], "measured-at-start", logger.info)
+
+    # ---- the engine interface ---------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        request_id = super().add_request(prompt, params, request_id, arrival_time)
+        with self._state:
+            self._state.notify_all()
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        super().abort_request(request_id)
+        with self._state:
+            self._state.notify_all()
+
+    def has_unfinished(self) -> bool:
+        with self._state:
+            return super().has_unfinished() or self._prefill is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Start the lanes on first use; return the outputs they produced since the last call
+        (waiting briefly for at least one)."""
+        if self.lane_error is not None:
+            raise RuntimeError(f"a lane failed: {self.lane_error!r}") from self.lane_error
+        if not self._threads:
+            self._start()
+        outputs = []
+        try:
+            outputs.append(self._outputs.get(timeout=0.05))
+            while True:
+                outputs.append(self._outputs.get_nowait())
+        except queue.Empty:
+            pass
+        return outputs
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._state:
+            self._state.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        if self._step_log:
+            self._step_log.close()
+
+    def _start(self) -> None:
+        for name, target in (("prefill", self._prefill_lane), ("decode", self._decode_lane)):
+            thread = threading.Thread(
+                target=self._guard(target), name=f"bullet-{name}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def _guard(self, lane: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                lane()
+            except Exception as exc:
+                logger.exception("lane failed")
+                self.lane_error = exc
+                self._stop.set()
+
+        return run
+
+    # ---- shared bookkeeping (state lock held) -----------------------------------------------
+
+    def _snapshot(self) -> BulletSnapshot:
+        for output in self._drain_inbox():
+            self._outputs.put(output)
+        prefill = None
+        if self._prefill is not None:
+            views = tuple(_view(r) for r in self._prefill.requests)
+            prefill = PrefillInFlight(views, self._prefill.layers_done)
+        return BulletSnapshot(
+            now=time.monotonic(),
+            waiting=tuple(_view(r) for r in self.waiting),
+            prefill=prefill,
+            decoding=tuple(_view(r) for r in self.running if r.request_id not in self._busy),
+            free_blocks=self.pool.allocator.num_free,
+            block_size=self.pool.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            max_prefill_tokens=self.config.max_num_batched_tokens,
+            stats=self._latency.stats(),
+            split=self.split,
+        )
+
+    def _release_blocks(self, request: Request) -> None:
+        if request.request_id not in self._busy:
+            super()._release_blocks(request)
+
+    def _finish(
+        self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
+    ) -> None:
+        super()._finish(request, reason, state)
+        if state is RequestState.FINISHED:
+            self._latency.add(request)
+
+    def _publish(self, requests: list[Request]) -> None:
+        for request in requests:
+            self._outputs.put(self._output(request))
+
+    def _wait(self) -> None:
+        """Sleep until notified; poll quickly while work exists (a paused lane), slowly when
+        there is none."""
+        busy = self.waiting or self.running or self._prefill is not None
+        self._state.wait(timeout=IDLE_WAIT_S if busy else 0.5)
+
+    @contextlib.contextmanager
+    def _units(self, lane: str, split: Split) -> Iterator[None]:
+        """Run the body on the lane's share: prefill on its units, decode on the rest."""
+        if self.policy.partition == "none" or split.prefill == 0:
+            with self.units.lane(self.units.total):
+                yield
+        elif lane == "prefill":
+            with self.units.lane(split.prefill):
+                yield
+        else:
+            with self.units.lane(self.units.total - split.decode, rest=True):
+                yield
+
+    def _execution_state(
+        self,
+        split: Split,
+        prefill_lens: tuple[int, ...],
+        decode_ctx: tuple[int, ...],
+        layer_start: int = 0,
+        layer_end: int | None = None,
+    ) -> ExecutionState:
+        """What ran while this lane stepped, as the performance model describes it."""
+        total = self.units.total
+        shared = self.policy.partition == "none"
+        prefill_on = bool(prefill_lens) and (split.prefill > 0 or shared)
+        decode_on = bool(decode_ctx) and (split.decode > 0 or shared)
+        end = self.model_config.num_layers if layer_end is None else layer_end
+        return ExecutionState(
+            prefill_lens=prefill_lens if prefill_on else (),
+            prefill_units=(split.prefill or total) if prefill_on else 0,
+            decode_ctx=decode_ctx if decode_on else (),
+            decode_units=(split.decode or total) if decode_on else 0,
+            prefill_layers=end - layer_start,
+            prefill_first_layer=layer_start,
+        )
+
+    def _log_step(self, lane: str, es: ExecutionState, measured: float, **fields) -> None:
+        prediction = self.perf.predict(es)
+        predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
+        self.perf.observe(es, lane, measured)
+        if predicted > 0:
+            self.prediction_error[lane] = abs(predicted / measured - 1)
+        if self._step_log:
+            record = {
+                "time": time.monotonic(),
+                "lane": lane,
+                "split": [self.split.prefill, self.split.decode],
+            }
+            record |= fields | {"predicted_s": predicted, "measured_s": measured}
+            self._step_log.write(json.dumps(record) + "\n")
+            self._step_log.flush()
+
+    # ---- the prefill lane -------------------------------------------------------------------
+
+    def _prefill_lane(self) -> None:
+        while not self._stop.is_set():
+            with self._state:
+                plan = self.policy.plan_prefill(self._snapshot())
+                self.split = plan.split
+                if plan.prefill is None or plan.split.prefill == 0:
+                    self._wait()
+                    continue
+                if plan.prefill.admitted:
+                    self._admit(plan)
+                batch = self._prefill
+            start = time.perf_counter()
+            with self._units("prefill", plan.split), torch.inference_mode():
+                hidden = batch.hidden
+                if hidden is None:
+                    hidden = self.model.embed(batch.batch.input_ids)
+                hidden = self.model.run_layers(
+                    hidden,
+                    batch.batch.positions,
+                    self.pool.layers,
+                    batch.batch.meta,
+                    plan.prefill.layer_start,
+                    plan.prefill.layer_end,
+                )
+                logits = None
+                if plan.prefill.layer_end == self.model_config.num_layers:
+                    logits = self.model.logits(hidden, batch.batch.logits_rows)
+            measured = time.perf_counter() - start
+            with self._state:
+                batch.hidden, batch.layers_done = hidden, plan.prefill.layer_end
+                es = self._execution_state(
+                    plan.split,
+                    tuple(r.num_tokens for r in batch.requests),
+                    tuple(r.num_tokens for r in self.running),
+                    plan.prefill.layer_start,
+                    plan.prefill.layer_end,
+                )
+                self._log_step(
+                    "prefill",
+                    es,
+                    measured,
+                    batch_size=len(batch.requests),
+                    tokens=sum(r.num_tokens for r in batch.requests),
+                    layers=[plan.prefill.layer_start, plan.prefill.layer_end],
+                )
+                if logits is not None:
+                    self._finish_prefill(batch, logits)
+                self._state.notify_all()
+
+    def _admit(self, plan: BulletPlan) -> None:
+        admitted = set(plan.prefill.admitted)
+        requests = [r for r in self.waiting if r.request_id in admitted]
+        for request in requests:
+            self.waiting.remove(request)
+            self._grow_blocks(request, request.num_tokens)
+            request.state = RequestState.PREFILLING
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = time.monotonic()
+        works = [SeqWork(r.token_ids(0, r.num_tokens), 0, r.block_table, True) for r in requests]
+        self._prefill = PrefillBatch(requests, self.runner.prepare(works))
+        # The whole batch counts as busy until its prefill ends: an abort between layer groups
+        # must not free blocks the next group writes.
+        self._busy.update(r.request_id for r in requests)
+
+    def _finish_prefill(self, batch: PrefillBatch, logits: torch.Tensor) -> None:
+        self._prefill = None
+        self._busy.difference_update(r.request_id for r in batch.requests)
+        live = []
+        for request in batch.requests:
+            request.num_computed_tokens = request.num_tokens
+            if request.is_finished:  # aborted while its prefill ran
+                self._release_blocks(request)
+            else:
+                live.append(request)
+        rows = [batch.requests.index(r) for r in live]
+        if not live:
+            return
+        tokens, logprobs = self.sampler.sample(
+            logits[rows], live, [self._stop_ids(r) for r in live]
+        )
+        now = time.monotonic()
+        for request, token, logprob in zip(live, tokens, logprobs, strict=True):
+            self.running.append(request)
+            self._append_token(request, token, logprob, now)
+        self._publish(live)
+
+    # ---- the decode lane --------------------------------------------------------------------
+
+    def _decode_lane(self) -> None:
+        while not self._stop.is_set():
+            with self._state:
+                plan = self.policy.plan_decode(self._snapshot())
+                self.split = plan.split
+                self._apply_preemptions(plan)
+                if not plan.decode or plan.split.decode == 0:
+                    self._wait()
+                    continue
+                by_id = {r.request_id: r for r in self.running}
+                requests = [by_id[s.request_id] for s in plan.decode]
+                for request in requests:
+                    self._grow_blocks(request, request.num_tokens)
+                works = [
+                    SeqWork(
+                        r.token_ids(r.num_tokens - 1, r.num_tokens),
+                        r.num_tokens - 1,
+                        r.block_table,
+                        True,
+                    )
+                    for r in requests
+                ]
+                self._busy.update(r.request_id for r in requests)
+                prefill_lens = ()
+                if self._prefill is not None:
+                    prefill_lens = tuple(r.num_tokens for r in self._prefill.requests)
+            start = time.perf_counter()
+            with self._units("decode", plan.split):
+                logits, _ = self.runner.execute(works)
+            measured = time.perf_counter() - start
+            with self._state:
+                self._busy.difference_update(r.request_id for r in requests)
+                es = self._execution_state(
+                    plan.split, prefill_lens, tuple(r.num_tokens for r in requests)
+                )
+                self._log_step(
+                    "decode", es, measured, batch_size=len(requests), tokens=len(requests)
+                )
+                live = []
+                for row, request in enumerate(requests):
+                    request.num_computed_tokens = request.num_tokens
+                    if request.is_finished:
+                        self._release_blocks(request)
+                    else:
+                        live.append(row)
+                if live:
+                    alive = [requests[i] for i in live]
+                    tokens, logprobs = self.sampler.sample(
+                        logits[live], alive, [self._stop_ids(r) for r in alive]
+                    )
+                    now = time.monotonic()
+                    for request, token, logprob in zip(alive, tokens, logprobs, strict=True):
+                        self._append_token(request, token, logprob, now)
+                    self._publish(alive)
+                self._state.notify_all()

@@ -1,0 +1,318 @@
+"""Bullet's SLO-aware scheduler (Algorithm 1 of arXiv 2504.19516), pure.
+
+Two lanes run at once: a prefill lane (whole prompts, possibly in layer groups) and a decode
+lane (every decoding request, one token per step). Each lane asks for a plan at the start of its
+step; the plan says what the lane runs and how the device's units are split between the lanes.
+Decisions come from the snapshot and the performance model's predictions only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.state import ExecutionState
+from bulletserve.sched.base import PlanBuilder, ScheduledSeq, SchedulerSnapshot, SeqView
+
+# A request is at risk when the time it has waited plus its predicted prefill reaches this share
+# of its TTFT budget: it then goes first, and is never passed over.
+RISK_SHARE = 0.7
+# Decode gets units for a predicted step time within this share of the TPOT SLO.
+TPOT_HEADROOM = 0.8
+
+
+@dataclass(frozen=True)
+class Split:
+    """Units per lane. 0 pauses a lane; with partitioning off both lanes get every unit."""
+
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True)
+class UnitSpace:
+    """The device's compute units: how many, and which counts a lane may get."""
+
+    total: int
+    granularity: int
+    minimum: int
+
+    def counts(self) -> list[int]:
+        """Valid non-zero unit counts, ascending."""
+        start = math.ceil(self.minimum / self.granularity) * self.granularity
+        valid = set(range(start, self.total + 1, self.granularity)) | {self.total}
+        return sorted(c for c in valid if c >= self.minimum)
+
+    def is_valid(self, units: int) -> bool:
+        return units == 0 or units in self.counts()
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_per_token_s: float  # normalized TTFT: TTFT divided by the prompt's tokens
+    tpot_s: float
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """P90s over a sliding window of recent requests; None until there is data."""
+
+    p90_ttft_per_token_s: float | None = None
+    p90_tpot_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PrefillInFlight:
+    """The prefill lane's current batch and how many layers it has run."""
+
+    requests: tuple[SeqView, ...]
+    layers_done: int
+
+
+@dataclass(frozen=True)
+class BulletSnapshot:
+    now: float
+    waiting: tuple[SeqView, ...]
+    prefill: PrefillInFlight | None
+    decoding: tuple[SeqView, ...]
+    free_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_prefill_tokens: int
+    stats: LatencyStats
+    split: Split  # the split in force
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Run layers [layer_start, layer_end) of the batch; `admitted` is non-empty when the step
+    starts a new batch from the waiting queue."""
+
+    admitted: tuple[str, ...]
+    layer_start: int
+    layer_end: int
+
+
+@dataclass(frozen=True)
+class BulletPlan:
+    split: Split
+    prefill: PrefillStep | None = None
+    decode: tuple[ScheduledSeq, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+
+@dataclass
+class BulletPolicy:
+    """`partition`: "auto" (the policy picks the split), "none" (both lanes get every unit,
+    the paper's naive ablation) or "static" (a fixed split, its fixed-SM ablation)."""
+
+    perf: PerfModel
+    units: UnitSpace
+    num_layers: int
+    slo: Slo
+    layers_per_step: int | None = None  # None: a prefill runs all layers in one step
+    partition: str = "auto"
+    static_split: Split | None = None
+    name: str = "bullet"
+
+    def __post_init__(self) -> None:
+        if self.partition not in ("auto", "none", "static"):
+            raise ValueError(f"unknown partition mode {self.partition!r}")
+        if self.partition == "static":
+            split = self.static_split
+            if split is None or not (
+                self.units.is_valid(split.prefill)
+                and self.units.is_valid(split.decode)
+                and split.prefill + split.decode <= self.units.total
+                and split.prefill > 0
+                and split.decode > 0
+            ):
+                raise ValueError(
+                    f"static split {split} is not valid for {self.units.total} units "
+                    f"(granularity {self.units.granularity}, minimum {self.units.minimum})"
+                )
+        self.saturation_tokens = self._saturation_tokens()
+
+    # ---- the two lanes' plans ---------------------------------------------------------------
+
+    def plan_prefill(self, snap: BulletSnapshot) -> BulletPlan:
+        """The prefill lane's next step: the next layer group of its batch, or a new batch."""
+        if snap.prefill is not None:
+            batch, admitted, done = snap.prefill.requests, (), snap.prefill.layers_done
+        else:
+            batch = self._form_batch(snap)
+            admitted, done = tuple(s.request_id for s in batch), 0
+        step = None
+        if batch:
+            group = self.layers_per_step or self.num_layers
+            step = PrefillStep(admitted, done, min(self.num_layers, done + group))
+        return BulletPlan(self.choose_split(snap, batch, step), prefill=step)
+
+    def plan_decode(self, snap: BulletSnapshot) -> BulletPlan:
+        """The decode lane's next step: every decoding request, preempting the newest when the
+        KV pool runs out."""
+        builder = PlanBuilder(
+            SchedulerSnapshot(
+                now=snap.now,
+                waiting=(),
+                running=snap.decoding,
+                free_blocks=snap.free_blocks,
+                block_size=snap.block_size,
+                max_num_seqs=max(snap.max_num_seqs, len(snap.decoding)),
+                max_num_batched_tokens=len(snap.decoding),
+            ),
+            token_budget=len(snap.decoding),
+        )
+        builder.schedule_running(chunk=False)
+        plan = builder.build()
+        batch = snap.prefill.requests if snap.prefill else ()
+        step = None
+        if snap.prefill is not None:
+            group = self.layers_per_step or self.num_layers
+            done = snap.prefill.layers_done
+            step = PrefillStep((), done, min(self.num_layers, done + group))
+        return BulletPlan(
+            self.choose_split(snap, batch, step, decode=plan.scheduled),
+            decode=plan.scheduled,
+            preempted=plan.preempted,
+        )
+
+    # ---- the split --------------------------------------------------------------------------
+
+    def choose_split(
+        self,
+        snap: BulletSnapshot,
+        prefill_batch: tuple[SeqView, ...],
+        step: PrefillStep | None,
+        decode: tuple[ScheduledSeq, ...] | None = None,
+    ) -> Split:
+        total = self.units.total
+        if self.partition == "none":
+            return Split(total, total)
+        has_prefill = bool(prefill_batch) or bool(snap.waiting)
+        has_decode = bool(snap.decoding) if decode is None else bool(decode)
+        if not has_prefill:
+            return Split(0, total)
+        if not has_decode:
+            return Split(total, 0)
+        if self.partition == "static":
+            return self.static_split
+        decode_ctx = tuple(s.num_tokens for s in snap.decoding)
+        lens = tuple(s.num_remaining for s in prefill_batch) or (snap.waiting[0].num_remaining,)
+        layers = (step.layer_end - step.layer_start) if step else self.num_layers
+        if step is not None and step.layer_end >= self.num_layers:
+            # The batch joins decode after this step: size decode for the batch it will have.
+            decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
+        d_min = self._fewest_decode_units(lens, decode_ctx, layers)
+        stats, slo = snap.stats, self.slo
+        tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
+        ttft_ok = (
+            stats.p90_ttft_per_token_s is None or stats.p90_ttft_per_token_s <= slo.ttft_per_token_s
+        )
+        at_risk = any(self.at_risk(s, snap.now) for s in prefill_batch or snap.waiting[:1])
+        if at_risk and tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
+            return Split(total, 0)  # a burst: prefill takes the device while TPOT still holds
+        if not ttft_ok and not tpot_ok:
+            decode_units = self._round_down(total // 2) or self.units.counts()[0]
+        elif tpot_ok:
+            decode_units = d_min
+        else:
+            grown = snap.split.decode + self.units.granularity
+            decode_units = min(total, max(d_min, self._round_down(grown)))
+        return Split(total - decode_units, decode_units)
+
+    def _fewest_decode_units(
+        self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
+    ) -> int:
+        """Fewest units that keep the co-running decode step within the TPOT SLO (leaving the
+        prefill lane at least its minimum); all but the minimum when none does."""
+        counts = self.units.counts()
+        budget = self.slo.tpot_s * TPOT_HEADROOM
+        candidates = [d for d in counts if self.units.total - d >= self.units.minimum]
+        for d in candidates:
+            es = ExecutionState(
+                prefill_lens=prefill_lens,
+                prefill_units=self.units.total - d,
+                decode_ctx=decode_ctx,
+                decode_units=d,
+                prefill_layers=layers,
+            )
+            if self.perf.predict(es).decode_s <= budget:
+                return d
+        return candidates[-1] if candidates else counts[0]
+
+    def _decode_can_pause(
+        self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
+    ) -> bool:
+        """Whether a full-device prefill step followed by a full-device decode step still fits
+        in one TPOT: then decode may wait out the prefill step."""
+        total = self.units.total
+        prefill = self.perf.predict(
+            ExecutionState(prefill_lens=prefill_lens, prefill_units=total, prefill_layers=layers)
+        ).prefill_s
+        decode = self.perf.predict(
+            ExecutionState(decode_ctx=decode_ctx, decode_units=total)
+        ).decode_s
+        return prefill + decode <= self.slo.tpot_s * TPOT_HEADROOM
+
+    def _round_down(self, units: int) -> int:
+        valid = [c for c in self.units.counts() if c <= units]
+        return valid[-1] if valid else 0
+
+    # ---- the prefill batch ------------------------------------------------------------------
+
+    def predicted_prefill_s(self, tokens: int) -> float:
+        es = ExecutionState(prefill_lens=(tokens,), prefill_units=self.units.total)
+        return self.perf.predict(es).prefill_s
+
+    def at_risk(self, seq: SeqView, now: float) -> bool:
+        budget = self.slo.ttft_per_token_s * seq.num_remaining
+        waited = now - seq.arrival_time
+        return waited + self.predicted_prefill_s(seq.num_remaining) >= RISK_SHARE * budget
+
+    def order_waiting(self, snap: BulletSnapshot) -> list[SeqView]:
+        """At-risk requests first (earliest deadline first), then the rest by least predicted
+        latency."""
+        at_risk = [s for s in snap.waiting if self.at_risk(s, snap.now)]
+        risky = {s.request_id for s in at_risk}
+        rest = [s for s in snap.waiting if s.request_id not in risky]
+        at_risk.sort(key=lambda s: s.arrival_time + self.slo.ttft_per_token_s * s.num_remaining)
+        rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
+        return at_risk + rest
+
+    def _form_batch(self, snap: BulletSnapshot) -> tuple[SeqView, ...]:
+        """Whole prompts in order while the batch is below the compute-saturation point and
+        fits the token, sequence and KV budgets. No overtaking: the first that does not fit
+        ends the batch, so an at-risk request is never passed over."""
+        batch: list[SeqView] = []
+        tokens = 0
+        free = snap.free_blocks
+        # Keep a block per decoding request free so the decode lane can grow without preempting.
+        reserve = min(len(snap.decoding), free)
+        seats = snap.max_num_seqs - len(snap.decoding)
+        for seq in self.order_waiting(snap):
+            need = -(-seq.num_tokens // snap.block_size) - seq.num_blocks
+            if batch and (
+                tokens >= self.saturation_tokens
+                or tokens + seq.num_remaining > snap.max_prefill_tokens
+            ):
+                break
+            if seats <= 0 or need > free - reserve:
+                break
+            batch.append(seq)
+            tokens += seq.num_remaining
+            free -= need
+            seats -= 1
+        return tuple(batch)
+
+    def _saturation_tokens(self) -> int:
+        """Tokens at which a prefill on the whole device stops getting cheaper per token: past
+        it, a bigger batch only delays the first request's TTFT."""
+        best = None
+        for tokens in (2**k for k in range(4, 15)):
+            per_token = self.predicted_prefill_s(tokens) / tokens
+            if best is not None and per_token > 0.9 * best:
+                return tokens // 2
+            best = per_token if best is None else min(best, per_token)
+        return 2**14
