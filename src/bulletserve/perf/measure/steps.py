@@ -42,8 +42,9 @@ class StepBench:
         for w in works:
             self.pool.allocator.free(w.block_table)
 
-    def prefill_works(self, lens: list[int]) -> list[SeqWork]:
-        return self._works(lens, [0] * len(lens))
+    def prefill_works(self, lens: list[int], cached: list[int] | None = None) -> list[SeqWork]:
+        """Prefill `lens` new tokens per sequence on `cached` tokens already in the cache."""
+        return self._works(lens, cached or [0] * len(lens))
 
     def decode_works(self, batch: int, context: int) -> list[SeqWork]:
         """`batch` one-token steps at `context` (the new token included)."""

@@ -1,0 +1,186 @@
+"""Predicted vs measured step times on shapes not used for fitting (the docs benchmark).
+
+    python -m bulletserve.perf.validate [--quick] [--out-dir docs]
+
+Profiles this CPU with the embedded default model (as `bullet profile` does), then measures
+held-out prefill and decode shapes alone and co-running, and compares three predictors: the
+calibrated model, the uncalibrated roofline T', and a plain linear fit t = a + b * rows per
+(phase, units, co-running) on the same profiling samples. Writes perf-model.json and a
+predicted-vs-measured scatter plot perf-model.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bulletserve.model.loader import load_model
+from bulletserve.model.source import resolve_model
+from bulletserve.perf.fit import StepSample
+from bulletserve.perf.measure.steps import StepBench
+from bulletserve.perf.measure.units import CpuThreads
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.profiler import PLANS, profile_device
+from bulletserve.perf.state import ExecutionState
+
+# Held-out shapes: none of these lengths, batches or contexts is in a profiling plan.
+PREFILL = [
+    ((96,), ()),
+    ((384,), ()),
+    ((768,), ()),
+    ((1536,), ()),
+    ((200, 200), ()),
+    ((256,), (512,)),
+]
+DECODE = [(b, ctx) for b in (2, 8, 24, 48) for ctx in (300, 800)]
+CORUN = [((384,), 8, 300), ((768,), 24, 800), ((1536,), 2, 300), ((96,), 48, 800)]
+
+
+def measure_held_out(bench: StepBench, total: int, repeats: int) -> list[StepSample]:
+    samples = []
+    for units in range(1, total + 1):
+        for lens, cached in PREFILL:
+            t = bench.alone(bench.prefill_works(list(lens), list(cached) or None), units, repeats)
+            es = ExecutionState(prefill_lens=lens, prefill_cached=cached, prefill_units=units)
+            samples.append(StepSample(es, "prefill", False, t))
+        for b, ctx in DECODE:
+            t = bench.alone(bench.decode_works(b, ctx), units, repeats)
+            es = ExecutionState(decode_ctx=(ctx,) * b, decode_units=units)
+            samples.append(StepSample(es, "decode", False, t))
+    for p in range(1, total):
+        for lens, b, ctx in CORUN:
+            tp, td = bench.corun(
+                bench.prefill_works(list(lens)), p, bench.decode_works(b, ctx), repeats
+            )
+            es = ExecutionState(
+                prefill_lens=lens, prefill_units=p, decode_ctx=(ctx,) * b, decode_units=total - p
+            )
+            samples += [StepSample(es, "prefill", True, tp), StepSample(es, "decode", True, td)]
+    return samples
+
+
+def linear_fit(train: list[StepSample]) -> dict[tuple[str, int, bool], tuple[float, float]]:
+    groups = defaultdict(list)
+    for s in train:
+        groups[(s.phase, s.units, s.corun)].append((s.rows, s.measured_s))
+    fits = {}
+    for key, pts in groups.items():
+        x, y = np.array(pts).T
+        fits[key] = tuple(np.polyfit(x, y, 1)) if len(set(x)) > 1 else (0.0, float(y.mean()))
+    return fits
+
+
+def errors(pred: list[float], meas: list[float]) -> dict[str, float]:
+    rel = sorted(abs(p - m) / m for p, m in zip(pred, meas, strict=True))
+    return {"median": statistics.median(rel), "p90": float(np.percentile(rel, 90)), "max": rel[-1]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bulletserve.perf.validate")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=Path("docs"))
+    args = parser.parse_args(argv)
+    units = CpuThreads()
+    model = load_model(resolve_model(None), torch.bfloat16, torch.device("cpu"), 4096)
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    with torch.inference_mode():
+        hw, train = profile_device(
+            model, units, PLANS["quick" if args.quick else "default"], platform.machine(), log
+        )
+        bench = StepBench(model, units, 48 * 800 + 4096)
+        log("held-out shapes:")
+        test = measure_held_out(bench, units.total, args.repeats)
+    perf = PerfModel(model.config, hw)
+    fits = linear_fit(train)
+    rows = []
+    for s in test:
+        es = s.es
+        corun = s.corun
+        calibrated = getattr(perf.predict(es), f"{s.phase}_s")
+        roofline = perf.roofline(es, s.phase, corun)
+        slope, icept = fits[(s.phase, s.units, corun)]
+        rows.append(
+            {
+                "phase": s.phase,
+                "corun": corun,
+                "units": s.units,
+                "rows": s.rows,
+                "es": str(es),
+                "measured_s": s.measured_s,
+                "calibrated_s": calibrated,
+                "roofline_s": roofline,
+                "linear_s": icept + slope * s.rows,
+            }
+        )
+    meas = [r["measured_s"] for r in rows]
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.processor() or platform.machine()}, {units.total} threads",
+        "torch": torch.__version__,
+        "profile": hw.to_dict(),
+        "errors": {
+            k: errors([r[f"{k}_s"] for r in rows], meas)
+            for k in ("calibrated", "roofline", "linear")
+        },
+        "errors_by_group": {
+            f"{ph}{'_corun' if c else ''}": errors(
+                [r["calibrated_s"] for r in rows if r["phase"] == ph and r["corun"] == c],
+                [r["measured_s"] for r in rows if r["phase"] == ph and r["corun"] == c],
+            )
+            for ph in ("prefill", "decode")
+            for c in (False, True)
+        },
+        "samples": rows,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "perf-model.json").write_text(json.dumps(report, indent=1) + "\n")
+    _plot(rows, args.out_dir / "perf-model.png")
+    print(json.dumps({"errors": report["errors"], "by_group": report["errors_by_group"]}, indent=1))
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    styles = {"calibrated": ("o", "C0"), "linear": ("x", "C1"), "roofline": ("^", "C2")}
+    for key, (marker, color) in styles.items():
+        ax.scatter(
+            [r["measured_s"] * 1e3 for r in rows],
+            [r[f"{key}_s"] * 1e3 for r in rows],
+            marker=marker,
+            color=color,
+            label=key,
+            alpha=0.7,
+            s=20,
+        )
+    lo = min(min(r[f"{k}_s"] for k in ("measured", *styles)) for r in rows) * 1e3 / 2
+    hi = max(r["measured_s"] for r in rows) * 1e3 * 2
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="measured step (ms)",
+        ylabel="predicted step (ms)",
+        title="Held-out CPU steps: predicted vs measured",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
