@@ -46,7 +46,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     # A string, a list of one string, token ids, or a list of one list of token ids.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str, Field(min_length=1)] | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
@@ -69,7 +69,7 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

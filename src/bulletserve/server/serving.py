@@ -117,6 +117,9 @@ class Serving:
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still running when the shutdown timeout ends.
+            raise APIError(503, "the server shut down before the request finished") from None
         finally:
             gone.cancel()
             if not work.done():

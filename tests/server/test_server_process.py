@@ -1,0 +1,130 @@
+"""`bullet serve` as a process: graceful shutdown on SIGTERM, and the embedded default model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.server.harness import ServerProcess, need_tokenizer
+
+BODY = {"prompt": "Once upon a time", "max_tokens": 48, "stream": True, "ignore_eos": True}
+
+
+def _stream_until_done(url: str, started: threading.Event, results: list) -> None:
+    """One streamed completion; the text of its events and its finish reason go to results."""
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=BODY, trust_env=False, timeout=60
+    ) as response:
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    chunks = [json.loads(e) for e in events[:-1]]
+    results.append((events[-1], chunks[-1]["choices"][0]["finish_reason"], len(chunks)))
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tmp_path):
+    need_tokenizer()
+    server = ServerProcess(
+        ["--load-format", "dummy", "--model", "tiny", "--shutdown-timeout", "60"],
+        tmp_path / "serve.log",
+    )
+    try:
+        server.wait_ready()
+        results: list = []
+        started = [threading.Event() for _ in range(4)]
+        threads = [
+            threading.Thread(target=_stream_until_done, args=(server.url, event, results))
+            for event in started
+        ]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(30) for event in started)
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        assert server.process.wait(timeout=60) == 0, server.log()
+        assert results == [("[DONE]", "length", BODY["max_tokens"])] * 4
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/health", trust_env=False, timeout=5)
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_shutdown_timeout_aborts_what_is_left_and_exits_0(tmp_path):
+    need_tokenizer()
+    server = ServerProcess(
+        ["--load-format", "dummy", "--model", "tiny", "--shutdown-timeout", "0.5"],
+        tmp_path / "serve.log",
+    )
+    try:
+        server.wait_ready()
+        long_body = {**BODY, "max_tokens": 2000, "stream": False}
+        done = threading.Event()
+        outcome: list = []
+
+        def long_request() -> None:
+            try:
+                response = httpx.post(
+                    server.url + "/v1/completions", json=long_body, trust_env=False, timeout=60
+                )
+                outcome.append((response.status_code, response.text[:300]))
+            except httpx.HTTPError as exc:
+                outcome.append(type(exc).__name__)
+            done.set()
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        metrics = server.url + "/metrics"
+        for _ in range(100):
+            text = httpx.get(metrics, trust_env=False).text
+            if 'bullet:num_requests_running{model_name="dummy-tiny"} 1.0' in text:
+                break
+            done.wait(0.1)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0, server.log()
+        assert done.wait(30) and outcome[0][0] == 503, outcome
+        thread.join(5)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_default_model_answers_through_the_openai_client(tmp_path):
+    need_tokenizer()
+    server = ServerProcess(["--served-model-name", "smol"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        http = httpx.Client(trust_env=False, timeout=120)
+        client = openai.OpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, http_client=http
+        )
+        assert [m.id for m in client.models.list().data] == ["smol"]
+        reply = client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            temperature=0,
+        )
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        streamed = client.completions.create(
+            model="smol", prompt="The capital of France is", max_tokens=8, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(streamed)
+        usage = chunks[-1].usage
+        assert 1 <= usage.completion_tokens <= 8
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        http.close()
+    finally:
+        server.stop()
