@@ -23,8 +23,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/bullet generate --chat --max-tokens 64 --temperature 0 \
-		--prompt "What is the capital of France?"
+	@echo "Serving the default model on http://127.0.0.1:8000 (Ctrl-C to stop). Try:"
+	@echo "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 64}'"
+	$(BIN)/bullet serve --host 127.0.0.1 --port 8000
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
