@@ -62,6 +62,16 @@ def test_greedy_output_independent_of_batch_policy_and_preemption(
     assert llm.engine.pool.allocator.num_used == 0
 
 
+def test_stale_memory_in_the_pool_never_leaks_into_attention(tiny_llama_dir, alone_outputs):
+    """Freed blocks keep old values; a partly filled last block must not be read (NaN * 0)."""
+    llm = _llm(tiny_llama_dir)
+    pool = llm.engine.pool
+    pool.kv.fill_(float("nan"))
+    pool.kv[:, :, : pool.block_size].zero_()  # the null block stays zero
+    outputs = llm.generate(_prompts(10, seed=5), GREEDY)
+    assert [o.token_ids for o in outputs] == alone_outputs
+
+
 def test_300_requests_through_a_small_pool_all_finish(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, kv_cache_memory=str(24 * BYTES_PER_BLOCK), chunked_prefill_size=64)
     rng = random.Random(7)

@@ -85,8 +85,10 @@ class ModelRunner:
                 table = works[i].block_table[:max_blocks]
                 tables[row, : len(table)] = torch.tensor(table)
             slots = (tables.unsqueeze(2) * self.block_size + self._block_offsets).flatten(1)
-            decode_slots = slots[:, :max_context].contiguous().to(self.device)
             valid = torch.arange(max_context).unsqueeze(0) < contexts.unsqueeze(1)
+            # Positions past a context (the unwritten tail of its last block) read the zeroed
+            # null block: masked scores still multiply V, and stale memory may hold NaNs.
+            decode_slots = torch.where(valid, slots[:, :max_context], 0).to(self.device)
             decode_mask = valid[:, None, None, :].to(self.device)
         to = self.device
         meta = AttentionMetadata(

@@ -39,13 +39,17 @@ class UnitSpace:
     minimum: int
 
     def counts(self) -> list[int]:
-        """Valid non-zero unit counts, ascending."""
+        """Unit counts a lane may be given as a carved group, ascending."""
         start = math.ceil(self.minimum / self.granularity) * self.granularity
         valid = set(range(start, self.total + 1, self.granularity)) | {self.total}
         return sorted(c for c in valid if c >= self.minimum)
 
     def is_valid(self, units: int) -> bool:
-        return units == 0 or units in self.counts()
+        """0 (paused), a carved group, or what is left beside one (e.g. 124 of 132 SMs)."""
+        if units == 0:
+            return True
+        carved = self.counts()
+        return units in carved or (units >= self.minimum and self.total - units in carved)
 
 
 @dataclass(frozen=True)
@@ -166,11 +170,13 @@ class BulletPolicy:
         )
         builder.schedule_running(chunk=False)
         plan = builder.build()
-        batch = snap.prefill.requests if snap.prefill else ()
+        # The split must match what the prefill lane can actually run, or both lanes could
+        # wait on each other (decode paused for a prefill that cannot be admitted).
+        batch = snap.prefill.requests if snap.prefill else self._form_batch(snap)
+        done = snap.prefill.layers_done if snap.prefill else 0
         step = None
-        if snap.prefill is not None:
+        if batch:
             group = self.layers_per_step or self.num_layers
-            done = snap.prefill.layers_done
             step = PrefillStep((), done, min(self.num_layers, done + group))
         return BulletPlan(
             self.choose_split(snap, batch, step, decode=plan.scheduled),
@@ -190,7 +196,7 @@ class BulletPolicy:
         total = self.units.total
         if self.partition == "none":
             return Split(total, total)
-        has_prefill = bool(prefill_batch) or bool(snap.waiting)
+        has_prefill = bool(prefill_batch)
         has_decode = bool(snap.decoding) if decode is None else bool(decode)
         if not has_prefill:
             return Split(0, total)
@@ -199,7 +205,7 @@ class BulletPolicy:
         if self.partition == "static":
             return self.static_split
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
-        lens = tuple(s.num_remaining for s in prefill_batch) or (snap.waiting[0].num_remaining,)
+        lens = tuple(s.num_remaining for s in prefill_batch)
         layers = (step.layer_end - step.layer_start) if step else self.num_layers
         if step is not None and step.layer_end >= self.num_layers:
             # The batch joins decode after this step: size decode for the batch it will have.
@@ -210,7 +216,7 @@ class BulletPolicy:
         ttft_ok = (
             stats.p90_ttft_per_token_s is None or stats.p90_ttft_per_token_s <= slo.ttft_per_token_s
         )
-        at_risk = any(self.at_risk(s, snap.now) for s in prefill_batch or snap.waiting[:1])
+        at_risk = any(self.at_risk(s, snap.now) for s in prefill_batch)
         if at_risk and tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
             return Split(total, 0)  # a burst: prefill takes the device while TPOT still holds
         if not ttft_ok and not tpot_ok:
@@ -220,6 +226,8 @@ class BulletPolicy:
         else:
             grown = snap.split.decode + self.units.granularity
             decode_units = min(total, max(d_min, self._round_down(grown)))
+        if total - decode_units < self.units.minimum:
+            decode_units = total  # too little would be left to run a prefill on
         return Split(total - decode_units, decode_units)
 
     def _fewest_decode_units(

@@ -1,0 +1,138 @@
+"""The two-lane executor on a tiny random model (fp32): same greedy output as prefill-first,
+preemption and aborts under concurrency, a step log."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from bulletserve import LLM, SamplingParams
+from bulletserve.engine.lanes import parse_partition
+from bulletserve.sched.bullet import Split
+
+BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # layers * (k, v) * kv heads * head dim * fp32 * block
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, policy="prefill-first")
+    return [o.token_ids for o in llm.generate(_prompts(12, seed=21), GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"prefill_layers_per_step": 1},
+        {"partition": "none"},
+        {"partition": "static:1/1"},
+        {"prefill_layers_per_step": 1, "kv_cache_memory": str(16 * BYTES_PER_BLOCK)},
+    ],
+    ids=["auto", "layer-groups", "none", "static", "preempting"],
+)
+def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="bullet",
+        num_threads=2,
+        step_log=str(log),
+        **settings,
+    )
+    try:
+        outputs = llm.generate(_prompts(12, seed=21), GREEDY)
+        assert [o.token_ids for o in outputs] == reference
+        assert llm.engine.pool.allocator.num_used == 0
+        if "kv_cache_memory" in settings:
+            assert llm.engine.num_preemptions > 0
+    finally:
+        llm.engine.close()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["lane"] for r in records} == {"prefill", "decode"}
+    for record in records:
+        assert record["measured_s"] > 0 and record["predicted_s"] > 0
+        assert len(record["split"]) == 2
+    layer_ranges = [tuple(r["layers"]) for r in records if r["lane"] == "prefill"]
+    if settings.get("prefill_layers_per_step") == 1:
+        assert {(0, 1), (1, 2)} <= set(layer_ranges)
+    else:
+        assert set(layer_ranges) == {(0, 2)}
+
+
+def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="bullet",
+        prefill_layers_per_step=1,
+        kv_cache_memory=str(24 * BYTES_PER_BLOCK),
+    )
+    rng = random.Random(3)
+    prompts = _prompts(300, seed=22, low=1, high=120)
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 30), temperature=rng.choice([0, 0.8]), ignore_eos=True
+        )
+        for _ in prompts
+    ]
+    start = time.monotonic()
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.close()
+    assert time.monotonic() - start < 300  # no deadlock: bounded
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+    allocator = llm.engine.pool.allocator
+    assert allocator.num_free == allocator.num_blocks
+    assert llm.engine.num_preemptions > 0
+
+
+def test_abort_in_either_lane_frees_blocks(tiny_llama_dir):
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="bullet",
+        prefill_layers_per_step=1,
+    )
+    engine = llm.engine
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    try:
+        ids = [engine.add_request(p, params) for p in _prompts(6, seed=23, low=50, high=120)]
+        seen = []
+        deadline = time.monotonic() + 60
+        while len(seen) < 3 and time.monotonic() < deadline:
+            seen += engine.step()
+        for request_id in ids:
+            engine.abort_request(request_id)
+        finished = set()
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            finished |= {o.request_id for o in engine.step() if o.finished}
+        assert finished == set(ids)
+        end = time.monotonic() + 5
+        while engine.pool.allocator.num_used and time.monotonic() < end:
+            time.sleep(0.01)
+        assert engine.pool.allocator.num_used == 0
+    finally:
+        engine.close()
+
+
+def test_partition_flag_parsing():
+    assert parse_partition("auto", 2) == ("auto", None)
+    assert parse_partition("static:1/1", 2) == ("static", Split(1, 1))
+    with pytest.raises(ValueError, match="exceeds"):
+        parse_partition("static:2/1", 2)
+    with pytest.raises(ValueError, match="static:P/D"):
+        parse_partition("static:x", 2)

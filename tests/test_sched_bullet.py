@@ -1,0 +1,200 @@
+"""Property tests of Bullet's pure scheduler on a GPU preset (132 SMs in groups of 8) and a
+2-thread CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bulletserve.model.presets import PRESETS
+from bulletserve.perf.hardware import load_preset
+from bulletserve.perf.model import PerfModel
+from bulletserve.sched.base import SeqView
+from bulletserve.sched.bullet import (
+    BulletPolicy,
+    BulletSnapshot,
+    LatencyStats,
+    PrefillInFlight,
+    Slo,
+    Split,
+    UnitSpace,
+)
+
+H100 = load_preset("h100-sxm")
+CPU = dataclasses.replace(
+    H100,
+    name="cpu-2",
+    kind="cpu",
+    units=2,
+    unit_granularity=1,
+    min_units=1,
+    bandwidth_saturation_units=1,
+    gemm_tile=None,
+)
+BLOCK = 16
+
+
+def make_policy(hw, layers_per_step=None, partition="auto", static=None) -> BulletPolicy:
+    cfg = PRESETS["llama-3.1-8b"]
+    return BulletPolicy(
+        perf=PerfModel(cfg, hw, "bfloat16"),
+        units=UnitSpace(hw.units, hw.unit_granularity, hw.min_units),
+        num_layers=cfg.num_layers,
+        slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.15),
+        layers_per_step=layers_per_step,
+        partition=partition,
+        static_split=static,
+    )
+
+
+POLICIES = {
+    "h100": make_policy(H100),
+    "h100-groups": make_policy(H100, layers_per_step=8),
+    "cpu": make_policy(CPU),
+}
+
+
+@st.composite
+def snapshots(draw, hw) -> BulletSnapshot:
+    now = 100.0
+
+    def seq(index: int, computed: bool) -> SeqView:
+        tokens = draw(st.integers(1, 4000))
+        arrival = now - draw(st.floats(0, 30))
+        blocks = -(-tokens // BLOCK) if computed else 0
+        return SeqView(f"r{index}", arrival, tokens, tokens - 1 if computed else 0, blocks)
+
+    waiting = tuple(seq(i, False) for i in range(draw(st.integers(0, 10))))
+    decoding = tuple(seq(100 + i, True) for i in range(draw(st.integers(0, 10))))
+    prefill = None
+    if draw(st.booleans()):
+        batch = tuple(seq(200 + i, False) for i in range(draw(st.integers(1, 3))))
+        prefill = PrefillInFlight(batch, draw(st.integers(0, 31)))
+    ttft = draw(st.none() | st.floats(1e-4, 1e-2))
+    tpot = draw(st.none() | st.floats(0.01, 0.5))
+    counts = UnitSpace(hw.units, hw.unit_granularity, hw.min_units).counts()
+    current = draw(st.sampled_from(counts))
+    return BulletSnapshot(
+        now=now,
+        waiting=waiting,
+        prefill=prefill,
+        decoding=decoding,
+        free_blocks=draw(st.integers(0, 2000)),
+        block_size=BLOCK,
+        max_num_seqs=draw(st.integers(len(decoding) + 1, 64)),
+        max_prefill_tokens=draw(st.integers(1, 16384)),
+        stats=LatencyStats(ttft, tpot),
+        split=Split(hw.units - current, current),
+    )
+
+
+def check_split(policy: BulletPolicy, split: Split) -> None:
+    units = policy.units
+    assert units.is_valid(split.prefill) and units.is_valid(split.decode)
+    assert split.prefill + split.decode <= units.total
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_plans_are_valid(name):
+    policy = POLICIES[name]
+    hw = H100 if name.startswith("h100") else CPU
+
+    @settings(max_examples=150, deadline=None)
+    @given(snapshots(hw))
+    def check(snap: BulletSnapshot) -> None:
+        prefill_plan = policy.plan_prefill(snap)
+        decode_plan = policy.plan_decode(snap)
+        check_split(policy, prefill_plan.split)
+        check_split(policy, decode_plan.split)
+        step = prefill_plan.prefill
+        if step is not None:
+            assert 0 <= step.layer_start < step.layer_end <= policy.num_layers
+            if step.admitted:
+                assert snap.prefill is None
+                admitted = [s for s in snap.waiting if s.request_id in step.admitted]
+                # Admissions never exceed KV capacity.
+                need = sum(-(-s.num_tokens // BLOCK) for s in admitted)
+                assert need <= snap.free_blocks
+                assert len(admitted) + len(snap.decoding) <= snap.max_num_seqs
+                # An at-risk request is never passed over by one that is not at risk.
+                risky = [s for s in snap.waiting if policy.at_risk(s, snap.now)]
+                if risky:
+                    assert any(policy.at_risk(s, snap.now) for s in admitted)
+                    passed = [s for s in risky if s.request_id not in step.admitted]
+                    assert all(policy.at_risk(s, snap.now) for s in admitted) or not passed
+        total = policy.units.total
+        if prefill_plan.prefill is None and snap.decoding:  # nothing can prefill
+            assert prefill_plan.split == decode_plan.split == Split(0, total)
+        if not snap.decoding and prefill_plan.prefill is not None:
+            assert prefill_plan.split == decode_plan.split == Split(total, 0)
+        scheduled = {s.request_id for s in decode_plan.decode}
+        assert scheduled.isdisjoint(decode_plan.preempted)
+        assert scheduled | set(decode_plan.preempted) == {s.request_id for s in snap.decoding}
+
+    check()
+
+
+def test_at_risk_request_goes_first_and_short_ones_otherwise():
+    policy = POLICIES["h100"]
+    fresh_long = SeqView("long", 99.99, 3000, 0, 0)
+    fresh_short = SeqView("short", 99.99, 100, 0, 0)
+    late = SeqView("late", 90.0, 2000, 0, 0)  # waited 10 s on a 6 s budget
+    snap = BulletSnapshot(
+        100.0,
+        (fresh_long, fresh_short, late),
+        None,
+        (),
+        10_000,
+        BLOCK,
+        64,
+        16384,
+        LatencyStats(),
+        Split(0, 132),
+    )
+    assert [s.request_id for s in policy.order_waiting(snap)] == ["late", "short", "long"]
+    assert policy.plan_prefill(snap).prefill.admitted[0] == "late"
+
+
+def test_decode_gets_fewest_units_that_keep_tpot():
+    policy = POLICIES["h100"]
+    decoding = tuple(SeqView(f"d{i}", 0.0, 1000, 999, 63) for i in range(32))
+    waiting = (SeqView("w", 99.9, 2000, 0, 0),)
+    snap = BulletSnapshot(
+        100.0,
+        waiting,
+        None,
+        decoding,
+        10_000,
+        BLOCK,
+        64,
+        16384,
+        LatencyStats(1e-3, 0.05),
+        Split(66, 66),
+    )
+    split = policy.plan_prefill(snap).split
+    assert 0 < split.decode < 132 and split.prefill == 132 - split.decode
+    fewer = Split(132 - (split.decode - 8), split.decode - 8)
+    if fewer.decode >= 8:  # one granule less would break the TPOT budget
+        from bulletserve.perf.state import ExecutionState
+
+        es = ExecutionState(
+            (2000,), (0,), fewer.prefill, tuple(s.num_tokens for s in decoding), fewer.decode
+        )
+        assert policy.perf.predict(es).decode_s > 0.15 * 0.8
+
+
+def test_static_and_none_partitions():
+    static = make_policy(CPU, partition="static", static=Split(1, 1))
+    none = make_policy(CPU, partition="none")
+    decoding = (SeqView("d", 0.0, 100, 99, 7),)
+    waiting = (SeqView("w", 99.9, 200, 0, 0),)
+    snap = BulletSnapshot(
+        100.0, waiting, None, decoding, 100, BLOCK, 8, 2048, LatencyStats(), Split(1, 1)
+    )
+    assert static.plan_prefill(snap).split == Split(1, 1)
+    assert none.plan_prefill(snap).split == Split(2, 2)
+    with pytest.raises(ValueError, match="static split"):
+        make_policy(CPU, partition="static", static=Split(2, 1))
