@@ -10,8 +10,8 @@ import torch
 from bulletserve.cli import main
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
+from bulletserve.partition import CpuThreads, GreenContextSMs, UnitsUnavailableError
 from bulletserve.perf.hardware import HardwareProfile
-from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs, UnitsUnavailableError
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import PLANS, profile_device, unit_counts
 from bulletserve.perf.state import ExecutionState

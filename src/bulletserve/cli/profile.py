@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.engine.engine import resolve_device
     from bulletserve.model.loader import load_model, resolve_dtype
     from bulletserve.model.source import ModelNotFoundError, resolve_model
-    from bulletserve.perf.measure.units import UnitsUnavailableError, unit_provider
+    from bulletserve.partition import UnitsUnavailableError, unit_provider
     from bulletserve.perf.profiler import PLANS, profile_device
 
     plan = PLANS["quick" if args.quick else "default"]

@@ -7,7 +7,6 @@ own thread and is the only place that changes request state.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from bulletserve.kv.pool import KVPool
 from bulletserve.model.loader import load_config, load_model, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
+from bulletserve.partition import usable_cores
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot, SeqView, StepPlan
 
@@ -43,10 +43,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but CUDA is not available")
     return torch.device(name)
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class LLMEngine:

@@ -26,8 +26,8 @@ from bulletserve.engine.engine import LLMEngine, _view
 from bulletserve.engine.request import Request, RequestOutput, RequestState
 from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.partition import Units, WholeGPU, lane_units
 from bulletserve.perf.hardware import HardwareProfile
-from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs, unit_provider
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import DTYPE_NAMES, PLANS, measure_device
 from bulletserve.perf.state import ExecutionState
@@ -113,10 +113,12 @@ class LanedEngine(LLMEngine):
         self.lane_error: BaseException | None = None  # lane -> last |predicted/measured - 1|
 
     def _make_policy(self) -> BulletPolicy:
-        self.units: CpuThreads | GreenContextSMs = unit_provider(self.device)
+        self.units: Units = lane_units(self.device, self.config.num_threads)
         dtype = DTYPE_NAMES[self.dtype]
         profile = self._hardware_profile()
         mode, static = parse_partition(self.config.partition, self.units.total)
+        if isinstance(self.units, WholeGPU):
+            mode, static = "none", None
         self.perf = PerfModel(self.model_config, profile, dtype)
         return BulletPolicy(
             perf=self.perf,

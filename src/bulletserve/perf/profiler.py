@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from bulletserve.model.decoder import DecoderLM
+from bulletserve.partition import CpuThreads, GreenContextSMs
 from bulletserve.perf.fit import StepSample, calibrate, saturation_units
 from bulletserve.perf.hardware import HardwareProfile, UnitPoint
 from bulletserve.perf.measure.micro import bandwidth, bandwidth_corun, gemm_rate
 from bulletserve.perf.measure.steps import StepBench
-from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs
 from bulletserve.perf.state import ExecutionState
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

@@ -25,9 +25,9 @@ import torch
 
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
+from bulletserve.partition import CpuThreads
 from bulletserve.perf.fit import StepSample
 from bulletserve.perf.measure.steps import StepBench
-from bulletserve.perf.measure.units import CpuThreads
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import PLANS, profile_device
 from bulletserve.perf.state import ExecutionState

@@ -6,8 +6,8 @@ import threading
 
 import torch
 
+from bulletserve.partition import CpuThreads, GreenContextSMs
 from bulletserve.perf.measure.timing import time_call
-from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs
 
 
 def gemm_rate(

@@ -12,8 +12,8 @@ import torch
 from bulletserve.engine.runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
+from bulletserve.partition import CpuThreads, GreenContextSMs
 from bulletserve.perf.measure.timing import time_call
-from bulletserve.perf.measure.units import CpuThreads, GreenContextSMs
 
 Units = CpuThreads | GreenContextSMs
 

@@ -1,45 +1,13 @@
-"""Compute units a measuring thread runs on: CPU intra-op threads or CUDA green-context SMs."""
+"""GPU partitioning: a lane's units are SMs of a green context (CUDA >= 12.4 driver)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 
-
-class UnitsUnavailableError(RuntimeError):
-    """The device cannot be partitioned (no CUDA, no green contexts, too few SMs)."""
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class CpuThreads:
-    """Units are intra-op threads; `torch.set_num_threads` applies to the calling OS thread."""
-
-    kind = "cpu"
-    granularity = 1
-    min_units = 1
-
-    def __init__(self) -> None:
-        self.total = usable_cores()
-        self.device = torch.device("cpu")
-
-    @contextlib.contextmanager
-    def lane(self, units: int, rest: bool = False) -> Iterator[None]:
-        """Run the body on `units` threads (`rest`: on the threads the other lane left)."""
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.total - units if rest else units)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(previous)
-
-    def synchronize(self) -> None:
-        """CPU work is synchronous."""
+from bulletserve.partition.errors import UnitsUnavailableError
 
 
 class GreenContextSMs:
@@ -122,5 +90,20 @@ class GreenContextSMs:
         torch.cuda.current_stream(self.device).synchronize()
 
 
-def unit_provider(device: torch.device) -> CpuThreads | GreenContextSMs:
-    return GreenContextSMs(device) if device.type == "cuda" else CpuThreads()
+class WholeGPU:
+    """No partitioning: both lanes share every SM (the fallback where green contexts are
+    unavailable, and the paper's naive ablation)."""
+
+    kind = "gpu"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.total = torch.cuda.get_device_properties(device).multi_processor_count
+        self.granularity = self.min_units = self.total
+
+    @contextlib.contextmanager
+    def lane(self, units: int, rest: bool = False) -> Iterator[None]:
+        yield
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
