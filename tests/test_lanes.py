@@ -136,3 +136,25 @@ def test_partition_flag_parsing():
         parse_partition("static:2/1", 2)
     with pytest.raises(ValueError, match="static:P/D"):
         parse_partition("static:x", 2)
+
+
+def test_step_log_plots_the_split_over_time(tiny_llama_dir, tmp_path):
+    from bulletserve.bench.steplog import plot_step_log
+
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="bullet",
+        step_log=str(log),
+    )
+    try:
+        llm.generate(_prompts(4, seed=24), GREEDY)
+    finally:
+        llm.engine.close()
+    png = plot_step_log(log, [], tmp_path / "split.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    log.write_text(log.read_text() + "not json\n")
+    with pytest.raises(ValueError, match=r"steps.jsonl:\d+: not a step-log line"):
+        plot_step_log(log, [], tmp_path / "split.png")

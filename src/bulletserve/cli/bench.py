@@ -32,6 +32,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     plot = actions.add_parser("plot", help="draw the plots of one or more result files")
     plot.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
     plot.add_argument("--out", type=Path, required=True, metavar="DIR")
+    plot.add_argument(
+        "--step-log",
+        type=Path,
+        metavar="PATH",
+        help="the server's --step-log: also draw the lane split over time",
+    )
 
     target = parser.add_argument_group("server")
     target.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -122,8 +128,16 @@ def run(args: argparse.Namespace) -> int:
     if args.bench_action == "plot":
         from bulletserve.bench.plots import plot_results
 
-        for path in plot_results(_load_all(args.files), args.out):
+        results = _load_all(args.files)
+        for path in plot_results(results, args.out):
             print(path)
+        if args.step_log:
+            from bulletserve.bench.steplog import plot_step_log
+
+            try:
+                print(plot_step_log(args.step_log, results, args.out / "split_timeline.png"))
+            except (OSError, ValueError) as exc:
+                raise CLIError(f"--step-log: {exc}") from None
         return 0
     return _run_benchmark(args)
 
