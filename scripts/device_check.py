@@ -1,0 +1,247 @@
+"""One-call device check for the lanes issue (see scripts/device_check.sh).
+
+Stages, each printing rows of one table and writing JSON to --out:
+  splits: green-context splits; an n^3 GEMM's rate on each SM count, and two saturating GEMMs
+          co-running on disjoint groups (their rates should add up to about the whole GPU's)
+  steps:  a dummy model's prefill and decode step latency at three splits, alone and co-running
+  bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks)
+
+On a CPU (`--device cpu`) the same code runs with threads as units, which is how it is tested
+where no GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bulletserve.partition import unit_provider
+from bulletserve.perf.measure.micro import gemm_rate
+from bulletserve.perf.measure.steps import StepBench
+
+
+def _rows(title: str, rows: list[dict]) -> None:
+    print(f"\n== {title}")
+    if rows:
+        keys = list(rows[0])
+        print(" | ".join(f"{k:>14}" for k in keys))
+        for row in rows:
+            print(
+                " | ".join(
+                    f"{row[k]:>14.4g}" if isinstance(row[k], float) else f"{row[k]!s:>14}"
+                    for k in keys
+                )
+            )
+
+
+def _splits(units, counts: list[int], gemm_n: int) -> list[int]:
+    valid = [c for c in counts if c < units.total]
+    return valid or [max(units.total // 2, units.min_units)]
+
+
+def stage_splits(args, units) -> list[dict]:
+    rows = []
+    counts = sorted({units.min_units, *args.sm_counts, units.total})
+    for count in [c for c in counts if c <= units.total]:
+        rate = gemm_rate(units, args.gemm_n, torch.bfloat16, count, 5)
+        rows.append({"units": count, "gemm_TFLOPs": rate / 1e12})
+    whole = rows[-1]["gemm_TFLOPs"]
+    for row in rows:
+        row["vs_whole"] = row["gemm_TFLOPs"] / whole
+    half = _splits(units, [units.total // 2 // units.granularity * units.granularity], args.gemm_n)[
+        0
+    ]
+    results: dict[str, float] = {}
+
+    def run(rest: bool) -> None:
+        a = torch.randn(args.gemm_n, args.gemm_n, device=units.device, dtype=torch.bfloat16)
+        with units.lane(half, rest=rest):
+            for _ in range(3):
+                torch.mm(a, a)
+            units.synchronize()
+            start = time.perf_counter()
+            for _ in range(20):
+                torch.mm(a, a)
+            units.synchronize()
+            results["rest" if rest else "group"] = (
+                20 * 2 * args.gemm_n**3 / (time.perf_counter() - start)
+            )
+
+    threads = [threading.Thread(target=run, args=(rest,)) for rest in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    both = (results["group"] + results["rest"]) / 1e12
+    rows.append({"units": f"{half}+rest", "gemm_TFLOPs": both, "vs_whole": both / whole})
+    return rows
+
+
+def stage_steps(args, units) -> list[dict]:
+    from bulletserve.model.loader import load_model
+    from bulletserve.model.source import resolve_model
+
+    model = load_model(resolve_model(args.model, "dummy"), torch.bfloat16, units.device, 8192)
+    bench = StepBench(
+        model, units, max_tokens=args.prefill_len + args.decode_batch * args.context + 64
+    )
+    rows = []
+    splits = _splits(units, args.splits, args.gemm_n)
+    for prefill_units in splits:
+        decode_units = units.total - prefill_units
+        p_alone = bench.alone(bench.prefill_works([args.prefill_len]), prefill_units, 3)
+        d_alone = bench.alone(bench.decode_works(args.decode_batch, args.context), decode_units, 5)
+        p_co, d_co = bench.corun(
+            bench.prefill_works([args.prefill_len]),
+            prefill_units,
+            bench.decode_works(args.decode_batch, args.context),
+            3,
+        )
+        rows.append(
+            {
+                "split_P/D": f"{prefill_units}/{decode_units}",
+                "prefill_ms": p_alone * 1e3,
+                "prefill_co_ms": p_co * 1e3,
+                "decode_ms": d_alone * 1e3,
+                "decode_co_ms": d_co * 1e3,
+            }
+        )
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage_bench(args, out: Path) -> list[dict]:
+    rows = []
+    base = [sys.executable, "-m", "bulletserve.cli"]
+    for label, policy in (
+        ("bullet", ["--policy", "bullet"]),
+        ("chunked-1024", ["--policy", "chunked", "--chunked-prefill-size", "1024"]),
+    ):
+        port = _free_port()
+        log = open(out / f"serve-{label}.log", "w")
+        server = subprocess.Popen(
+            base
+            + [
+                "serve",
+                "--load-format",
+                "dummy",
+                "--model",
+                args.model,
+                "--device",
+                args.device,
+                "--port",
+                str(port),
+                "--max-model-len",
+                "4096",
+                "--step-log",
+                str(out / f"steps-{label}.jsonl"),
+            ]
+            + policy,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            command = base + [
+                "bench",
+                "--base-url",
+                f"http://127.0.0.1:{port}",
+                "--dataset",
+                args.dataset,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--request-rates",
+                args.rates,
+                "--ignore-eos",
+                "--label",
+                label,
+                "--output",
+                str(out / f"bench-{label}.json"),
+                "--no-progress",
+                "--slo-ttft-per-token-ms",
+                "3.0",
+                "--slo-tpot-ms",
+                "150",
+            ]
+            deadline = time.time() + 600
+            while time.time() < deadline and server.poll() is None:
+                probe = subprocess.run(
+                    ["curl", "-sf", f"http://127.0.0.1:{port}/health"], capture_output=True
+                )
+                if probe.returncode == 0:
+                    break
+                time.sleep(2)
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=args.bench_timeout
+            )
+            (out / f"bench-{label}.txt").write_text(result.stdout + result.stderr)
+            data = json.loads((out / f"bench-{label}.json").read_text())
+            for run in data["runs"]:
+                s = run["summary"]
+                rows.append(
+                    {
+                        "policy": label,
+                        "rate": run["request_rate"],
+                        "tok_per_s": s["output_throughput"],
+                        "attain": s["slo"]["attainment"],
+                        "p90_ttft_ms": s["ttft_ms"]["p90"],
+                        "p90_tpot_ms": s["tpot_ms"]["p90"],
+                    }
+                )
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+            log.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("stages", nargs="+", choices=("splits", "steps", "bench"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device-check")))
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--gemm-n", type=int, default=8192)
+    parser.add_argument("--sm-counts", type=int, nargs="*", default=[16, 32, 64, 96])
+    parser.add_argument("--splits", type=int, nargs="*", default=[32, 66, 96], help="prefill units")
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--decode-batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--dataset", default="sharegpt-like")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--rates", default="10,20")
+    parser.add_argument("--bench-timeout", type=int, default=200)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    units = unit_provider(torch.device(args.device))
+    report = {}
+    for stage in args.stages:
+        started = time.time()
+        if stage == "splits":
+            rows = stage_splits(args, units)
+        elif stage == "steps":
+            rows = stage_steps(args, units)
+        else:
+            rows = stage_bench(args, args.out)
+        report[stage] = rows
+        _rows(f"{stage} ({time.time() - started:.0f} s, {units.kind}, {units.total} units)", rows)
+        (args.out / "device_check.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
