@@ -172,3 +172,23 @@ def test_a_fault_mid_stream_ends_the_stream_with_an_error_event():
             assert '"error"' in events[-2] and "injected device fault" in events[-2]
     finally:
         engine.shutdown()
+
+
+def test_beyond_max_waiting_requests_is_429():
+    engine = tiny_engine(max_num_seqs=1)
+    try:
+        with running_app(engine, max_waiting_requests=1) as url:
+            # One request runs (about 2 s on this model), the next one waits behind it.
+            long = {"prompt": "hello", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+            with (
+                httpx.Client(trust_env=False, timeout=30) as client,
+                client.stream("POST", url + "/v1/completions", json=long) as running,
+                client.stream("POST", url + "/v1/completions", json=long) as queued,
+            ):
+                assert running.status_code == queued.status_code == 200
+                assert wait_until(lambda: engine.num_streams == 2, timeout_s=5)
+                error = error_of(post(url, "/v1/completions", json=long), 429)
+                assert "--max-waiting-requests 1" in error["message"]
+            assert wait_until(lambda: engine.engine.pool.allocator.num_used == 0)
+    finally:
+        engine.shutdown()

@@ -21,7 +21,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields that both endpoints share."""
 
     model: str | None = None  # None: the served model
@@ -44,7 +44,7 @@ class _SamplingFields(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     # A string, a list of one string, token ids, or a list of one list of token ids.
     prompt: Annotated[str, Field(min_length=1)] | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -68,7 +68,7 @@ class ChatMessage(_Request):
         return {"role": self.role, "content": content}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False

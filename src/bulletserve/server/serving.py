@@ -14,7 +14,7 @@ from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.server.errors import APIError, error_body
 from bulletserve.server.metrics import ServerMetrics
-from bulletserve.server.protocol import Usage, _SamplingFields
+from bulletserve.server.protocol import SamplingFields, Usage
 from bulletserve.server.settings import ServerSettings
 
 
@@ -43,7 +43,7 @@ class Serving:
     def model_name(self) -> str:
         return self.settings.served_model_name
 
-    def admit(self, body: _SamplingFields) -> None:
+    def admit(self, body: SamplingFields) -> None:
         """Reject what no generation can serve, before any tokenization."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist", "model")
@@ -61,7 +61,7 @@ class Serving:
 
     def sampling_params(
         self,
-        body: _SamplingFields,
+        body: SamplingFields,
         prompt_ids: list[int],
         max_tokens: int | None,
         logprobs: int | None,
