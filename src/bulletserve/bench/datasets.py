@@ -88,19 +88,36 @@ def load_workload(
     if num_prompts < 1:
         raise DatasetError("--num-prompts must be at least 1")
     kind, _, path = spec.partition(":")
-    rng = np.random.default_rng(seed)
     builder = PromptBuilder(tokenizer, seed)
     if kind == "sharegpt" and path:
+        rng = np.random.default_rng(seed)
         return _sharegpt_file(Path(path), num_prompts, builder, rng, max_model_len)
+    lengths = load_lengths(spec, num_prompts, seed, max_model_len, random_lengths)
+    return [WorkloadRequest(builder.build(i), i, o, t) for i, o, t in lengths]
+
+
+def load_lengths(
+    spec: str,
+    num_prompts: int,
+    seed: int = 0,
+    max_model_len: int | None = None,
+    random_lengths: RandomLengths | None = None,
+) -> list[tuple[int, int, float | None]]:
+    """(input tokens, output tokens, trace timestamp) of num_prompts requests, without prompts:
+    the same draws as `load_workload` for the same seed (the simulator's path). `sharegpt:PATH`
+    needs a tokenizer to count its texts and is not available here."""
+    if num_prompts < 1:
+        raise DatasetError("--num-prompts must be at least 1")
+    kind, _, path = spec.partition(":")
+    rng = np.random.default_rng(seed)
+    if kind == "sharegpt" and path:
+        raise DatasetError("sharegpt:PATH needs a tokenizer to count lengths; use sharegpt-like")
     if kind == "azure" and path:
         rows = _azure_file(Path(path), num_prompts)
         pairs = [(i, o) for i, o, _ in rows]
         if max_model_len:
             pairs = fit_to_context(pairs, max_model_len)
-        return [
-            WorkloadRequest(builder.build(i), i, o, t)
-            for (i, o), (_, _, t) in zip(pairs, rows, strict=True)
-        ]
+        return [(i, o, t) for (i, o), (_, _, t) in zip(pairs, rows, strict=True)]
     if path:
         raise DatasetError(f"dataset {kind!r} takes no path; file datasets: sharegpt:, azure:")
     if kind == "random":
@@ -116,7 +133,7 @@ def load_workload(
         )
     if max_model_len and kind != "random":
         pairs = fit_to_context(pairs, max_model_len)
-    return [WorkloadRequest(builder.build(i), i, o) for i, o in pairs]
+    return [(i, o, None) for i, o in pairs]
 
 
 def _random_pairs(

@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "bench": "bulletserve.cli.bench",
     "profile": "bulletserve.cli.profile",
     "serve": "bulletserve.cli.serve",
+    "simulate": "bulletserve.cli.simulate",
 }
 
 

@@ -1,0 +1,176 @@
+"""`bullet simulate`: the serving policies on a modeled device (a discrete-event simulation).
+
+bullet simulate --hardware a100-80g --model llama-3.1-8b --policy bullet \\
+    --dataset sharegpt-like --num-prompts 1000 --request-rates 10,15,20,25 --output sim.json
+
+The result file has `bullet bench`'s schema, marked simulated with the hardware profile, so
+`bullet bench compare` and `bullet bench plot` take simulated and measured runs alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bulletserve.cli import CLIError
+from bulletserve.sched import POLICIES
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    parser = subparsers.add_parser(
+        name,
+        help="simulate a serving policy on a modeled GPU (or a profiled CPU)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.set_defaults(run=run)
+    device = parser.add_argument_group("modeled device and model")
+    device.add_argument(
+        "--hardware",
+        required=True,
+        metavar="NAME|PATH",
+        help="a100-80g, h100, h200, h20 (datasheet presets) or a `bullet profile` JSON",
+    )
+    device.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET|PATH",
+        help="a model preset "
+        "(llama-3.1-8b, llama-3.1-70b, qwen3-8b, smollm2-135m, tiny) or config.json",
+    )
+    device.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    device.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of device memory for weights and KV cache (vLLM's; default 0.9)",
+    )
+    device.add_argument(
+        "--device-memory-gib", type=float, help="device memory (default: the preset's datasheet)"
+    )
+    device.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks, exactly")
+
+    engine = parser.add_argument_group("engine (defaults as bullet serve)")
+    engine.add_argument("--policy", default="bullet", choices=POLICIES)
+    engine.add_argument("--chunked-prefill-size", type=int)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--partition", default="auto", help="bullet: auto, none or static:P/D")
+    engine.add_argument("--prefill-layers-per-step", type=int)
+
+    data = parser.add_argument_group("workload (as bullet bench)")
+    data.add_argument(
+        "--dataset",
+        default="sharegpt-like",
+        help="sharegpt-like, azure-code-like, arxiv-sum-like, random or azure:PATH",
+    )
+    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument("--input-len", type=int, default=1024, help="random: input tokens")
+    data.add_argument("--output-len", type=int, default=128, help="random: output tokens")
+    data.add_argument("--range-ratio", type=float, default=0.0, help="random: length spread")
+    data.add_argument("--request-rate", default="inf", help="mean requests/s, or inf")
+    data.add_argument("--request-rates", metavar="R1,R2,...", help="a sweep, e.g. 10,15,20,25")
+    data.add_argument("--burstiness", type=float, default=1.0)
+    data.add_argument("--trace-arrivals", action="store_true", help="azure: the trace's times")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument(
+        "--noise",
+        type=float,
+        default=0.02,
+        help="log-normal sigma of per-step time noise (default 0.02; 0: exact predictions)",
+    )
+
+    slo = parser.add_argument_group("SLOs (default: the paper's for the dataset)")
+    slo.add_argument("--slo-ttft-per-token-ms", type=float)
+    slo.add_argument("--slo-tpot-ms", type=float)
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--label", help="name of this run in tables and plots")
+    out.add_argument("--output", type=Path, metavar="RESULT.json")
+    out.add_argument("--plot", type=Path, metavar="DIR")
+    out.add_argument(
+        "--step-log",
+        type=Path,
+        metavar="PATH",
+        help="one JSON line per simulated step (a sweep writes PATH-rate<R> per rate)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from bulletserve.bench.datasets import DatasetError, RandomLengths
+    from bulletserve.bench.report import summary_table
+    from bulletserve.cli.bench import _rates, _slo
+    from bulletserve.sim.hardware import SimSetupError
+    from bulletserve.sim.runner import SimConfig, simulate
+
+    for flag in ("num_prompts", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(args, flag) < 1:
+            raise CLIError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("chunked_prefill_size", "max_model_len", "prefill_layers_per_step"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise CLIError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise CLIError("--gpu-memory-utilization must be in (0, 1]")
+    if args.burstiness <= 0 or args.noise < 0:
+        raise CLIError("--burstiness must be positive and --noise at least 0")
+    partition, static = _partition(args.partition)
+    config = SimConfig(
+        hardware=args.hardware,
+        model=args.model,
+        policy=args.policy,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        request_rates=_rates(args),
+        chunked_prefill_size=args.chunked_prefill_size,
+        partition=partition,
+        static_split=static,
+        prefill_layers_per_step=args.prefill_layers_per_step,
+        slo=_slo(args),
+        seed=args.seed,
+        noise=args.noise,
+        burstiness=args.burstiness,
+        trace_arrivals=args.trace_arrivals,
+        random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_memory_gib=args.device_memory_gib,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        label=args.label,
+    )
+    try:
+        result = simulate(
+            config, args.step_log, on_run=lambda run: print(summary_table(run), flush=True)
+        )
+    except (SimSetupError, DatasetError) as exc:
+        raise CLIError(str(exc)) from None
+    print(f"simulated on {result.hardware}: {result.label}")
+    if args.output:
+        result.save(args.output)
+        print(f"results: {args.output}")
+    if args.plot:
+        from bulletserve.bench.plots import plot_results
+
+        plot_results([result], args.plot)
+        print(f"plots: {args.plot}/")
+    return 0
+
+
+def _partition(text: str) -> tuple[str, tuple[int, int] | None]:
+    """--partition auto|none|static:P/D; the unit counts are checked against the device later."""
+    if text in ("auto", "none"):
+        return text, None
+    try:
+        prefill, decode = (int(x) for x in text.removeprefix("static:").split("/"))
+    except ValueError:
+        raise CLIError(f"--partition must be auto, none or static:P/D, not {text!r}") from None
+    if not text.startswith("static:"):
+        raise CLIError(f"--partition must be auto, none or static:P/D, not {text!r}")
+    return "static", (prefill, decode)

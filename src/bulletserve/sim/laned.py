@@ -1,0 +1,267 @@
+"""Two lanes: `LanedEngine` (engine/lanes.py) on the virtual clock, for the Bullet policy.
+
+Each lane loops as in the engine: snapshot, plan (the split it returns comes into force), the
+plan's bookkeeping, then its step on its own units; at the step's end the lane updates the state
+and wakes the other lane. A lane with nothing to run waits until woken by an arrival or by the
+other lane's step end, or polls every IDLE_WAIT_S when the plan it waits on depends on time
+(a paused batch, or nothing stepping while work exists), as the engine's condition timeout does.
+On one event, lanes act prefill first.
+
+Durations: a lane's step progresses at the rate the performance model predicts for the current
+execution state, and the rate is re-evaluated whenever the other lane starts or ends a step, so
+co-running contention applies exactly while both lanes run. Each step draws one noise factor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bulletserve.perf.state import ExecutionState
+from bulletserve.sched.bullet import (
+    BulletPolicy,
+    BulletSnapshot,
+    PrefillInFlight,
+    Split,
+)
+from bulletserve.sim.device import CachedPerfModel, Noise
+from bulletserve.sim.request import SimRequest
+from bulletserve.sim.state import SimState
+from bulletserve.sim.window import SimLatencyWindow
+
+IDLE_WAIT_S = 0.005  # the engine's poll interval for a waiting lane while work exists
+STALL_POLLS = 10_000  # consecutive polls with nothing stepping and nothing due: a stall
+LANES = ("prefill", "decode")
+
+
+@dataclass
+class LaneStep:
+    """A step in flight. `work_left` is the share still to run at time `since`; it runs at
+    1/duration per second, duration being the prediction for the current state times noise."""
+
+    requests: list[SimRequest]
+    units: int
+    noise: float
+    started: float
+    layers: tuple[int, int] = (0, 0)
+    lengths: tuple[int, ...] = ()  # the requests' tokens when the step started
+    work_left: float = 1.0
+    since: float = 0.0
+    duration: float = 0.0
+    busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
+
+    @property
+    def end(self) -> float:
+        return self.since + self.work_left * self.duration
+
+
+class LanedSimulator:
+    def __init__(
+        self,
+        state: SimState,
+        policy: BulletPolicy,
+        perf: CachedPerfModel,
+        noise: Noise,
+        max_num_seqs: int,
+        max_prefill_tokens: int,
+    ) -> None:
+        self.state, self.policy, self.perf, self.noise = state, policy, perf, noise
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.total = policy.units.total
+        self.num_layers = policy.num_layers
+        self.split = Split(0, self.total)
+        self.window = SimLatencyWindow()
+        self.prefill_batch: list[SimRequest] | None = None
+        self.layers_done = 0
+        self.busy: set[str] = set()
+        self.steps: dict[str, LaneStep | None] = dict.fromkeys(LANES)
+        self.wake_at: dict[str, float | None] = dict.fromkeys(LANES)  # None: not waiting
+        self.ready = set(LANES)
+
+    # ---- the event loop ---------------------------------------------------------------------
+
+    def run(self) -> float:
+        """Run every request to the end; returns the simulated time the last one finished."""
+        now, idle_polls = 0.0, 0
+        while True:
+            if self.state.drain(now):
+                self._notify()
+            for lane in LANES:
+                if lane in self.ready:
+                    self._act(lane, now)
+            if not (self.state.unfinished or self.prefill_batch is not None):
+                return now
+            stepping = [s.end for s in self.steps.values() if s is not None]
+            arrival = self.state.next_arrival()
+            polls = [t for t in self.wake_at.values() if t is not None and math.isfinite(t)]
+            candidates = stepping + polls + ([arrival] if arrival is not None else [])
+            idle_polls = idle_polls + 1 if not stepping and arrival is None else 0
+            if not candidates or idle_polls > STALL_POLLS:
+                self._fail("stalled: no lane can run and none arrive")
+                return now
+            now = max(now, min(candidates))
+            for lane in LANES:
+                step = self.steps[lane]
+                if step is not None and step.end <= now:
+                    self._end_step(lane, now)
+            for lane, wake in self.wake_at.items():
+                if wake is not None and wake <= now:
+                    self.wake_at[lane] = None
+                    self.ready.add(lane)
+
+    def _notify(self) -> None:
+        for lane, wake in self.wake_at.items():
+            if wake is not None:
+                self.wake_at[lane] = None
+                self.ready.add(lane)
+
+    def _wait(self, lane: str, now: float, time_dependent: bool) -> None:
+        nothing_steps = all(s is None for s in self.steps.values())
+        work = self.state.waiting or self.state.running or self.prefill_batch is not None
+        poll = time_dependent or (nothing_steps and work)
+        self.wake_at[lane] = now + IDLE_WAIT_S if poll else math.inf
+
+    def _fail(self, reason: str) -> None:
+        for request in self.prefill_batch or ():
+            request.error = reason
+            self.state.release_blocks(request)
+        self.prefill_batch = None
+        self.state.fail_unfinished(reason)
+
+    # ---- a lane's turn ----------------------------------------------------------------------
+
+    def _snapshot(self, now: float) -> BulletSnapshot:
+        prefill = None
+        if self.prefill_batch is not None:
+            prefill = PrefillInFlight(tuple(r.view() for r in self.prefill_batch), self.layers_done)
+        busy = self.busy
+        return BulletSnapshot(
+            now=now,
+            waiting=tuple(r.view() for r in self.state.waiting),
+            prefill=prefill,
+            decoding=tuple(r.view() for r in self.state.running if r.request_id not in busy),
+            free_blocks=self.state.allocator.num_free,
+            block_size=self.state.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_prefill_tokens=self.max_prefill_tokens,
+            stats=self.window.stats(),
+            split=self.split,
+        )
+
+    def _act(self, lane: str, now: float) -> None:
+        self.ready.discard(lane)
+        if lane == "prefill":
+            plan = self.policy.plan_prefill(self._snapshot(now))
+            self.split = plan.split
+            if plan.prefill is None or plan.split.prefill == 0:
+                self._wait(lane, now, time_dependent=plan.prefill is not None)
+                return
+            if plan.prefill.admitted:
+                self._admit(plan.prefill.admitted)
+            assert self.prefill_batch is not None
+            layers = (plan.prefill.layer_start, plan.prefill.layer_end)
+            units = plan.split.prefill or self.total
+            self._start(lane, LaneStep(self.prefill_batch, units, self.noise.factor(), now, layers))
+            return
+        plan = self.policy.plan_decode(self._snapshot(now))
+        self.split = plan.split
+        self.state.apply_preemptions(plan.preempted)
+        if not plan.decode or plan.split.decode == 0:
+            self._wait(lane, now, time_dependent=bool(plan.decode))
+            return
+        by_id = {r.request_id: r for r in self.state.running}
+        requests = [by_id[s.request_id] for s in plan.decode]
+        for request in requests:
+            self.state.grow_blocks(request, request.num_tokens)
+        self.busy.update(r.request_id for r in requests)
+        units = plan.split.decode or self.total
+        self._start(lane, LaneStep(requests, units, self.noise.factor(), now))
+
+    def _admit(self, admitted: tuple[str, ...]) -> None:
+        ids = set(admitted)
+        requests = [r for r in self.state.waiting if r.request_id in ids]
+        for request in requests:
+            self.state.waiting.remove(request)
+            self.state.grow_blocks(request, request.num_tokens)
+        self.prefill_batch = requests
+        self.layers_done = 0
+        self.busy.update(ids)
+
+    # ---- step timing ------------------------------------------------------------------------
+
+    def _start(self, lane: str, step: LaneStep) -> None:
+        step.since = step.started
+        step.lengths = tuple(r.num_tokens for r in step.requests)
+        self.steps[lane] = step
+        self._rerate(step.started)
+
+    def _rerate(self, now: float) -> None:
+        """Fold the time run so far into each step's progress, then set its rate for the state
+        the lanes are in from now on."""
+        es = self._execution_state()
+        prediction = self.perf.predict(es)
+        for lane, step in self.steps.items():
+            if step is None:
+                continue
+            if step.duration > 0:
+                ran = now - step.since
+                step.work_left = max(0.0, step.work_left - ran / step.duration)
+                step.busy_s += ran / step.noise
+            step.since = now
+            predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
+            step.duration = predicted * step.noise
+
+    def _execution_state(self) -> ExecutionState:
+        prefill, decode = self.steps["prefill"], self.steps["decode"]
+        start, end = prefill.layers if prefill else (0, self.num_layers)
+        return ExecutionState(
+            prefill_lens=prefill.lengths if prefill else (),
+            prefill_units=prefill.units if prefill else 0,
+            decode_ctx=decode.lengths if decode else (),
+            decode_units=decode.units if decode else 0,
+            prefill_layers=end - start,
+            prefill_first_layer=start,
+        )
+
+    # ---- a step's end -----------------------------------------------------------------------
+
+    def _end_step(self, lane: str, now: float) -> None:
+        step = self.steps[lane]
+        assert step is not None
+        self._rerate(now)
+        self.steps[lane] = None
+        self._rerate(now)
+        record = {
+            "time": now,
+            "lane": lane,
+            "split": [self.split.prefill, self.split.decode],
+            "units": step.units,
+            "batch_size": len(step.requests),
+            "predicted_s": step.busy_s,
+            "measured_s": now - step.started,
+        }
+        if lane == "prefill":
+            record |= {"tokens": sum(step.lengths), "layers": step.layers}
+            self.layers_done = step.layers[1]
+            if step.layers[1] == self.num_layers:
+                self._finish_prefill(now)
+        else:
+            record["tokens"] = len(step.requests)
+            self.busy.difference_update(r.request_id for r in step.requests)
+            for request in step.requests:
+                request.num_computed_tokens = request.num_tokens
+                if self.state.append_token(request, now):
+                    self.window.add(request)
+        self.state.log_step(record)
+        self.ready.add(lane)
+        self._notify()
+
+    def _finish_prefill(self, now: float) -> None:
+        batch, self.prefill_batch = self.prefill_batch or [], None
+        self.busy.difference_update(r.request_id for r in batch)
+        for request in batch:
+            request.num_computed_tokens = request.num_tokens
+            self.state.running.append(request)
+            if self.state.append_token(request, now):
+                self.window.add(request)

@@ -1,0 +1,226 @@
+"""A simulated benchmark: build the modeled device, the policy and the workload once, then run
+the workload at each request rate, as `bullet bench` does against a server."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from bulletserve.bench.datasets import RandomLengths, load_lengths
+from bulletserve.bench.metrics import SLO
+from bulletserve.bench.records import BenchResult, RunResult
+from bulletserve.model.config import ModelConfig
+from bulletserve.sched import make_policy
+from bulletserve.sched.base import Policy
+from bulletserve.sched.bullet import BulletPolicy, Slo, Split, UnitSpace
+from bulletserve.sim.device import CachedPerfModel, Noise
+from bulletserve.sim.hardware import (
+    GIB,
+    GPU_MEMORY_UTILIZATION,
+    SimSetupError,
+    device_memory,
+    kv_cache_blocks,
+    load_hardware,
+    load_model_config,
+)
+from bulletserve.sim.laned import LanedSimulator
+from bulletserve.sim.results import run_result
+from bulletserve.sim.single import run_single_lane
+from bulletserve.sim.state import SimState
+from bulletserve.sim.workload import Lengths, arrivals_for, make_requests
+
+DEFAULT_NOISE = 0.02
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a simulated benchmark depends on; written into the result as `config`.
+    Engine settings default to the engine's (engine/config.py)."""
+
+    hardware: str
+    model: str
+    policy: str = "bullet"
+    dataset: str = "sharegpt-like"
+    num_prompts: int = 1000
+    request_rates: tuple[float, ...] = (10.0,)
+    chunked_prefill_size: int | None = None
+    partition: str = "auto"
+    static_split: tuple[int, int] | None = None
+    prefill_layers_per_step: int | None = None
+    slo: SLO | None = None
+    seed: int = 0
+    noise: float = DEFAULT_NOISE
+    burstiness: float = 1.0
+    trace_arrivals: bool = False
+    random_lengths: RandomLengths = field(default_factory=RandomLengths)
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    device_memory_gib: float | None = None
+    num_gpu_blocks_override: int | None = None
+    label: str | None = None
+
+
+@dataclass
+class SimSetup:
+    """What the config resolves to: the model, the modeled device, the KV pool size."""
+
+    model: ModelConfig
+    perf: CachedPerfModel
+    num_blocks: int
+    max_model_len: int
+
+    @property
+    def hardware_name(self) -> str:
+        return self.perf.hw.name
+
+
+def setup(config: SimConfig) -> SimSetup:
+    hw = load_hardware(config.hardware)
+    model = load_model_config(config.model)
+    try:
+        perf = CachedPerfModel(model, hw, config.dtype)
+    except ValueError as exc:
+        raise SimSetupError(str(exc)) from None
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    else:
+        memory_gib = config.device_memory_gib
+        memory = device_memory(hw, memory_gib * GIB if memory_gib is not None else None)
+        num_blocks = kv_cache_blocks(
+            model, config.dtype, config.block_size, memory, config.gpu_memory_utilization
+        )
+    max_model_len = config.max_model_len or model.max_position_embeddings
+    if num_blocks * config.block_size < max_model_len and config.max_model_len is None:
+        max_model_len = num_blocks * config.block_size  # a small pool caps the context
+    if num_blocks * config.block_size < max_model_len:
+        raise SimSetupError(
+            f"the KV pool holds {num_blocks * config.block_size} tokens, fewer than "
+            f"--max-model-len {max_model_len}"
+        )
+    return SimSetup(model, perf, num_blocks, max_model_len)
+
+
+def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
+    """The policy object the engine would build for this config."""
+    if config.policy != "bullet":
+        chunk = config.chunked_prefill_size or config.max_num_batched_tokens
+        return make_policy(config.policy, chunk)
+    if config.slo is None:
+        raise SimSetupError(
+            "the bullet policy needs SLOs: pass --slo-ttft-per-token-ms and "
+            "--slo-tpot-ms, or a dataset with paper SLOs"
+        )
+    hw = env.perf.hw
+    static = Split(*config.static_split) if config.static_split else None
+    try:
+        return BulletPolicy(
+            perf=env.perf,
+            units=UnitSpace(hw.units, hw.unit_granularity, hw.min_units),
+            num_layers=env.model.num_layers,
+            slo=Slo(config.slo.ttft_per_token_ms / 1e3, config.slo.tpot_ms / 1e3),
+            layers_per_step=config.prefill_layers_per_step,
+            partition=config.partition,
+            static_split=static,
+        )
+    except ValueError as exc:
+        raise SimSetupError(str(exc)) from None
+
+
+def default_label(config: SimConfig) -> str:
+    if config.label:
+        return config.label
+    if config.policy == "chunked":
+        return f"chunked-{config.chunked_prefill_size or config.max_num_batched_tokens}"
+    if config.policy == "bullet" and config.partition != "auto":
+        return f"bullet-{config.partition}"
+    return config.policy
+
+
+def simulate_run(
+    config: SimConfig,
+    env: SimSetup,
+    policy: Policy | BulletPolicy,
+    lengths: Lengths,
+    rate: float,
+    step_log: TextIO | None = None,
+) -> RunResult:
+    """One load level on a fresh engine state."""
+    arrivals = arrivals_for(lengths, rate, config.burstiness, config.seed, config.trace_arrivals)
+    requests = make_requests(lengths, arrivals)
+    state = SimState(requests, env.num_blocks, config.block_size, env.max_model_len, step_log)
+    noise = Noise(config.noise, config.seed)
+    if isinstance(policy, BulletPolicy):
+        end = LanedSimulator(
+            state, policy, env.perf, noise, config.max_num_seqs, config.max_num_batched_tokens
+        ).run()
+    else:
+        end = run_single_lane(
+            state, policy, env.perf, noise, config.max_num_seqs, config.max_num_batched_tokens
+        )
+    if state.allocator.num_free != state.allocator.num_blocks:
+        raise RuntimeError("KV blocks leaked: the pool is not empty after the run")
+    duration = max(end, max(arrivals, default=0.0), 1e-9)
+    return run_result(requests, rate, config.burstiness, duration, config.slo)
+
+
+def simulate(
+    config: SimConfig,
+    step_log: Path | None = None,
+    on_run: Callable[[RunResult], None] | None = None,
+) -> BenchResult:
+    """The whole sweep, as a bench result marked simulated on the modeled hardware."""
+    env = setup(config)
+    policy = make_sim_policy(config, env)
+    max_len = config.max_model_len
+    lengths = load_lengths(
+        config.dataset, config.num_prompts, config.seed, max_len, config.random_lengths
+    )
+    runs = []
+    for rate in config.request_rates:
+        with _step_log(step_log, rate, len(config.request_rates)) as log:
+            run = simulate_run(config, env, policy, lengths, rate, log)
+        runs.append(run)
+        if on_run:
+            on_run(run)
+    settings = asdict(config)
+    settings.update(
+        simulated=True,
+        hardware_profile=env.hardware_name,
+        kv_cache_blocks=env.num_blocks,
+        max_model_len=env.max_model_len,
+        model_parameters=env.model.num_parameters(),
+    )
+    return BenchResult(
+        label=default_label(config),
+        config=settings,
+        runs=runs,
+        simulated=True,
+        hardware=env.hardware_name,
+    )
+
+
+def step_log_path(path: Path, rate: float, num_rates: int) -> Path:
+    """One step log per rate in a sweep: NAME-rate<R>.EXT beside PATH."""
+    if num_rates == 1:
+        return path
+    name = "inf" if math.isinf(rate) else f"{rate:g}"
+    return path.with_name(f"{path.stem}-rate{name}{path.suffix}")
+
+
+@contextlib.contextmanager
+def _step_log(path: Path | None, rate: float, num_rates: int) -> Iterator[TextIO | None]:
+    if path is None:
+        yield None
+        return
+    target = step_log_path(path, rate, num_rates)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w") as handle:
+        yield handle
