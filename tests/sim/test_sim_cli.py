@@ -1,0 +1,42 @@
+"""`bullet simulate` end to end: the result file is a bench result that compare and plot take."""
+
+from __future__ import annotations
+
+from bulletserve.bench.records import load_result
+from bulletserve.cli import main
+
+
+def test_simulate_writes_a_bench_result_that_compare_and_plot_take(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    code = main(
+        [
+            "simulate",
+            "--hardware", "h100", "--model", "llama-3.1-8b", "--policy", "bullet",
+            "--partition", "static:64/68", "--dataset", "sharegpt-like",
+            "--num-prompts", "30", "--request-rates", "5,10",
+            "--output", str(out), "--plot", str(tmp_path / "plots"),
+            "--step-log", str(tmp_path / "steps.jsonl"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = load_result(out)
+    assert result.simulated and result.hardware == "H100-SXM"
+    assert result.label == "bullet-static" and [r.request_rate for r in result.runs] == [5, 10]
+    assert result.runs[0].summary["slo"]["tpot_ms"] == 150.0  # the paper's ShareGPT SLO
+    assert (tmp_path / "steps-rate5.jsonl").exists() and (tmp_path / "steps-rate10.jsonl").exists()
+    assert (tmp_path / "plots" / "throughput.png").exists()
+    capsys.readouterr()
+    assert main(["bench", "compare", str(out)]) == 0
+    assert "simulated, H100-SXM" in capsys.readouterr().out
+
+
+def test_user_errors_are_one_line(capsys):
+    assert main(["simulate", "--hardware", "tpu", "--model", "tiny"]) == 2
+    assert "not a preset" in capsys.readouterr().err
+    args = ["simulate", "--hardware", "a100-80g", "--model", "llama-3.1-8b"]
+    assert main([*args, "--partition", "static:3/3"]) == 2
+    assert "static split" in capsys.readouterr().err
+    assert main([*args, "--dataset", "sharegpt:/x.json"]) == 2
+    assert "sharegpt-like" in capsys.readouterr().err
+    assert main([*args, "--policy", "bullet", "--dataset", "random"]) == 2
+    assert "SLOs" in capsys.readouterr().err

@@ -1,0 +1,167 @@
+"""The simulator: determinism, exact predictions without noise, conservation, policy sanity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bulletserve.bench.datasets import RandomLengths, load_lengths
+from bulletserve.bench.metrics import SLO
+from bulletserve.perf.state import ExecutionState
+from bulletserve.sched.bullet import BulletPolicy
+from bulletserve.sim.device import Noise
+from bulletserve.sim.hardware import (
+    DEVICE_MEMORY,
+    GIB,
+    SimSetupError,
+    kv_cache_blocks,
+    load_hardware,
+)
+from bulletserve.sim.laned import LanedSimulator
+from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate
+from bulletserve.sim.single import run_single_lane
+from bulletserve.sim.state import SimState
+from bulletserve.sim.workload import arrivals_for, make_requests
+
+SHAREGPT_SLO = SLO(3.0, 150.0)
+POLICIES = [("bullet", None), ("chunked", 512), ("prefill-first", None)]
+
+
+def _config(policy: str, chunk: int | None = None, **kw) -> SimConfig:
+    base = dict(
+        hardware="a100-80g",
+        model="llama-3.1-8b",
+        policy=policy,
+        chunked_prefill_size=chunk,
+        dataset="sharegpt-like",
+        num_prompts=60,
+        request_rates=(20.0,),
+        slo=SHAREGPT_SLO,
+        noise=0.05,
+    )
+    return SimConfig(**(base | kw))
+
+
+@pytest.mark.parametrize(("policy", "chunk"), POLICIES)
+def test_same_seed_same_result_other_seed_differs(policy, chunk):
+    first = simulate(_config(policy, chunk)).to_json()
+    again = simulate(_config(policy, chunk)).to_json()
+    other = simulate(_config(policy, chunk, seed=1)).to_json()
+    assert json.dumps(first) == json.dumps(again)
+    assert first["runs"][0]["requests"] != other["runs"][0]["requests"]
+    assert first["simulated"] is True and first["hardware"] == "A100-80GB-SXM"
+
+
+@pytest.mark.parametrize(("policy", "chunk"), POLICIES)
+def test_single_request_without_noise_matches_the_model(policy, chunk):
+    prompt, output = 400, 6
+    config = _config(
+        policy,
+        chunk,
+        dataset="random",
+        num_prompts=1,
+        request_rates=(float("inf"),),
+        random_lengths=RandomLengths(prompt, output),
+        noise=0.0,
+    )
+    record = simulate(config).runs[0].requests[0]
+    perf = setup(config).perf
+    units = perf.hw.units
+    ttft = perf.predict(ExecutionState(prefill_lens=(prompt,), prefill_units=units)).prefill_s
+    decode = [
+        perf.predict(ExecutionState(decode_ctx=(prompt + k,), decode_units=units)).decode_s
+        for k in range(1, output)
+    ]
+    assert record.success and record.output_len == output
+    assert record.ttft_s == pytest.approx(ttft, rel=1e-9)
+    assert record.e2el_s - record.ttft_s == pytest.approx(sum(decode), rel=1e-9)
+
+
+@pytest.mark.parametrize(("policy", "chunk"), POLICIES)
+def test_conservation_under_preemption(policy, chunk):
+    """A KV pool far too small for the load: requests are preempted and recomputed, yet every
+    request finishes and every block comes back."""
+    config = _config(
+        policy, chunk, num_prompts=80, request_rates=(50.0,), num_gpu_blocks_override=160
+    )
+    env = setup(config)
+    policy_obj = make_sim_policy(config, env)
+    lengths = load_lengths(config.dataset, config.num_prompts, config.seed)
+    requests = make_requests(lengths, arrivals_for(lengths, 50.0, 1.0, 0, False))
+    state = SimState(requests, env.num_blocks, config.block_size, env.max_model_len)
+    noise = Noise(config.noise, config.seed)
+    if isinstance(policy_obj, BulletPolicy):
+        LanedSimulator(state, policy_obj, env.perf, noise, 256, 2048).run()
+    else:
+        run_single_lane(state, policy_obj, env.perf, noise, 256, 2048)
+    assert state.num_preemptions > 0
+    assert all(r.finished_at is not None and r.error is None for r in requests)
+    assert all(len(r.token_times) == r.output_len for r in requests)
+    assert state.allocator.num_free == state.allocator.num_blocks
+    assert not state.waiting and not state.running
+
+
+def test_a_prompt_over_the_context_fails_and_the_rest_finish():
+    from bulletserve.sim.request import SimRequest
+
+    config = _config("chunked", 512)
+    env = setup(config)
+    requests = [SimRequest("long", 0, 0.0, 200, 4), SimRequest("ok", 1, 0.1, 50, 4)]
+    state = SimState(requests, 64, 16, max_model_len=128)
+    run_single_lane(state, make_sim_policy(config, env), env.perf, Noise(0.0, 0), 256, 2048)
+    assert "max-model-len" in (requests[0].error or "")
+    assert requests[1].finished_at is not None and len(requests[1].token_times) == 4
+    assert state.allocator.num_free == 64
+
+
+def _step_log(tmp_path, policy, chunk, **kw):
+    path = tmp_path / "steps.jsonl"
+    simulate(_config(policy, chunk, **kw), step_log=path)
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_prefill_first_never_mixes_phases_and_chunked_does(tmp_path):
+    prefill_first = _step_log(tmp_path, "prefill-first", None)
+    assert {r["lane"] for r in prefill_first} == {"prefill", "decode"}
+    assert all(r["prefill_tokens"] == 0 or r["decode_seqs"] == 0 for r in prefill_first)
+    chunked = _step_log(tmp_path, "chunked", 512)
+    assert any(r["lane"] == "hybrid" for r in chunked)
+    assert all(r["tokens"] <= 512 for r in chunked)
+
+
+def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
+    steps = _step_log(tmp_path, "bullet", None, noise=0.0, request_rates=(40.0,))
+    for r in steps:
+        assert r["measured_s"] == pytest.approx(r["predicted_s"], rel=1e-9)
+        assert r["split"][0] + r["split"][1] <= 108 or r["split"] == [108, 108]
+    spans = {
+        lane: [(r["time"] - r["measured_s"], r["time"]) for r in steps if r["lane"] == lane]
+        for lane in ("prefill", "decode")
+    }
+    overlaps = sum(
+        1 for ps, pe in spans["prefill"] for ds, de in spans["decode"] if ds < pe and ps < de
+    )
+    assert overlaps > 0
+
+
+def test_kv_capacity_is_device_memory_minus_weights():
+    from bulletserve.model.presets import PRESETS
+
+    cfg = PRESETS["llama-3.1-8b"]
+    blocks = kv_cache_blocks(cfg, "bfloat16", 16, DEVICE_MEMORY["A100-80GB-SXM"])
+    expected = (0.9 * 80 * GIB - 2 * cfg.num_parameters()) // (2 * 32 * 8 * 128 * 2 * 16)
+    assert blocks == expected
+    with pytest.raises(SimSetupError, match="no KV cache"):
+        kv_cache_blocks(PRESETS["llama-3.1-70b"], "bfloat16", 16, DEVICE_MEMORY["A100-80GB-SXM"])
+
+
+def test_hardware_aliases_and_unknown_memory(tmp_path):
+    assert load_hardware("a100-80g").name == load_hardware("a100-80gb").name == "A100-80GB-SXM"
+    assert load_hardware("h100").name == "H100-SXM"
+    profile = load_hardware("h20").to_dict() | {"name": "my-gpu"}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(SimSetupError, match="device-memory-gib"):
+        setup(_config("chunked", 512, hardware=str(path)))
+    assert setup(_config("chunked", 512, hardware=str(path), device_memory_gib=96)).num_blocks > 0
