@@ -28,6 +28,7 @@ from bulletserve.sim.hardware import (
     load_model_config,
 )
 from bulletserve.sim.laned import LanedSimulator
+from bulletserve.sim.request import SimRequest
 from bulletserve.sim.results import run_result
 from bulletserve.sim.single import run_single_lane
 from bulletserve.sim.state import SimState
@@ -154,7 +155,19 @@ def simulate_run(
 ) -> RunResult:
     """One load level on a fresh engine state."""
     arrivals = arrivals_for(lengths, rate, config.burstiness, config.seed, config.trace_arrivals)
-    requests = make_requests(lengths, arrivals)
+    return simulate_requests(config, env, policy, make_requests(lengths, arrivals), rate, step_log)
+
+
+def simulate_requests(
+    config: SimConfig,
+    env: SimSetup,
+    policy: Policy | BulletPolicy,
+    requests: list[SimRequest],
+    rate: float,
+    step_log: TextIO | None = None,
+) -> RunResult:
+    """Given requests (lengths and arrival times) on a fresh engine state, as a run at `rate`."""
+    arrivals = [r.arrival for r in requests]
     state = SimState(requests, env.num_blocks, config.block_size, env.max_model_len, step_log)
     noise = Noise(config.noise, config.seed)
     if isinstance(policy, BulletPolicy):

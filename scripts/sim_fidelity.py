@@ -1,0 +1,168 @@
+"""Simulator fidelity: simulate measured `bullet bench` runs on the measured hardware profile
+and print mean TTFT, mean TPOT and throughput side by side, with relative differences.
+
+python scripts/sim_fidelity.py --profile docs/data/cpu-profile.json \\
+    --model smollm2-135m docs/data/bench-cpu/*.json [--out-dir DIR]
+
+Each measured run is replayed request for request: the same prompt lengths, output lengths (as
+measured, so early stops count) and arrival times, at the same SLOs. The policy comes from the
+result's label (`bullet...`, `chunked-N`, `prefill-first`) unless --policy says otherwise.
+Engine settings default to `bullet serve`'s; the KV pool is unbounded unless
+--num-gpu-blocks-override gives the server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from bulletserve.bench.metrics import SLO
+from bulletserve.bench.records import BenchResult, RunResult, load_result
+from bulletserve.sim.request import SimRequest
+from bulletserve.sim.runner import (
+    DEFAULT_NOISE,
+    SimConfig,
+    make_sim_policy,
+    setup,
+    simulate_requests,
+)
+
+TARGET = 0.15
+METRICS = (
+    ("mean TTFT ms", ("ttft_ms", "mean")),
+    ("mean TPOT ms", ("tpot_ms", "mean")),
+    ("out tok/s", ("output_throughput",)),
+)
+
+
+def policy_of(label: str) -> tuple[str, int | None]:
+    """(policy, chunk size) from a result label such as bullet, chunked-1024, prefill-first."""
+    name = label.split()[0].lower()
+    if name.startswith("bullet"):
+        return "bullet", None
+    if name.startswith("prefill-first"):
+        return "prefill-first", None
+    if name.startswith("chunked"):
+        size = name.removeprefix("chunked").strip("-_")
+        return "chunked", int(size) if size.isdigit() else None
+    raise ValueError(f"cannot tell the policy from the label {label!r}: pass --policy")
+
+
+def replay(run: RunResult) -> list[SimRequest]:
+    """The measured run's requests: lengths as measured and arrival offsets as sent."""
+    return [
+        SimRequest(
+            f"req-{r.index}",
+            r.index,
+            r.start_s,
+            r.input_len,
+            r.output_len if r.success and r.output_len > 0 else r.max_tokens,
+        )
+        for r in run.requests
+    ]
+
+
+def run_slo(run: RunResult) -> SLO | None:
+    slo = run.summary.get("slo")
+    return SLO(slo["ttft_per_token_ms"], slo["tpot_ms"]) if slo else None
+
+
+def _value(summary: dict, path: tuple[str, ...]) -> float | None:
+    value = summary
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int | float) else None
+
+
+def compare(measured: RunResult, simulated: RunResult) -> list[tuple[str, float, float, float]]:
+    rows = []
+    for name, path in METRICS:
+        m, s = _value(measured.summary, path), _value(simulated.summary, path)
+        if m is None or s is None or m == 0:
+            continue
+        rows.append((name, m, s, s / m - 1))
+    return rows
+
+
+def simulate_like(result: BenchResult, base: SimConfig, policy: str | None) -> BenchResult:
+    name, chunk = (policy, base.chunked_prefill_size) if policy else policy_of(result.label)
+    runs = []
+    for run in result.runs:
+        config = replace(
+            base,
+            policy=name,
+            chunked_prefill_size=chunk or base.chunked_prefill_size,
+            request_rates=(run.request_rate,),
+            slo=run_slo(run) or base.slo,
+            label=f"{result.label} (replayed)",
+        )
+        requests = replay(run)
+        if config.num_gpu_blocks_override is None:
+            tokens = sum(r.input_len + r.output_len for r in requests)
+            config = replace(
+                config, num_gpu_blocks_override=tokens // config.block_size + len(requests) + 1
+            )
+        env = setup(config)
+        runs.append(
+            simulate_requests(config, env, make_sim_policy(config, env), requests, run.request_rate)
+        )
+    return BenchResult(
+        label=f"{result.label} (replayed)",
+        config={"measured": result.label, "profile": base.hardware, "model": base.model},
+        runs=runs,
+        simulated=True,
+        hardware=env.hardware_name,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("measured", nargs="+", type=Path, help="bullet bench result files")
+    parser.add_argument("--profile", required=True, help="the `bullet profile` JSON of the device")
+    parser.add_argument("--model", default="smollm2-135m", help="model preset or config.json")
+    parser.add_argument("--policy", help="the served policy, when labels do not say")
+    parser.add_argument("--chunked-prefill-size", type=int)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-gpu-blocks-override", type=int)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--noise", type=float, default=DEFAULT_NOISE)
+    parser.add_argument("--out-dir", type=Path, help="save the simulated results here")
+    args = parser.parse_args(argv)
+    base = SimConfig(
+        hardware=args.profile,
+        model=args.model,
+        chunked_prefill_size=args.chunked_prefill_size,
+        dtype=args.dtype,
+        noise=args.noise,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+    )
+    print("| measured run | rate | metric | measured | simulated | difference |")
+    print("|---|---|---|---|---|---|")
+    worst = 0.0
+    for path in args.measured:
+        result = load_result(path)
+        simulated = simulate_like(result, base, args.policy)
+        if args.out_dir:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            simulated.save(args.out_dir / f"sim-{path.name}")
+        for measured_run, sim_run in zip(result.runs, simulated.runs, strict=True):
+            for name, m, s, diff in compare(measured_run, sim_run):
+                worst = max(worst, abs(diff))
+                flag = "" if abs(diff) <= TARGET else " **"
+                print(
+                    f"| {result.label} | {measured_run.request_rate:g} | {name} | {m:.1f} | "
+                    f"{s:.1f} | {diff:+.1%}{flag} |"
+                )
+    print(f"\nlargest difference {worst:.1%} (target {TARGET:.0%}; ** marks misses)")
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

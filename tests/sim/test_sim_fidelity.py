@@ -1,0 +1,79 @@
+"""scripts/sim_fidelity.py: replaying a run on the profile that produced it differs by nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from bulletserve.bench.metrics import SLO
+from bulletserve.perf.hardware import load_preset
+from bulletserve.sim.runner import SimConfig, simulate
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "sim_fidelity.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("sim_fidelity", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cpu_profile(tmp_path: Path) -> Path:
+    """A small CPU-like profile: 2 thread units, no GEMM waves, no calibration points."""
+    raw = load_preset("h20").to_dict() | {
+        "name": "test-cpu",
+        "kind": "cpu",
+        "units": 2,
+        "unit_granularity": 1,
+        "min_units": 1,
+        "bandwidth_saturation_units": 2,
+        "gemm_tile": None,
+        "peak_flops": {"bfloat16": 2e11},
+        "peak_bandwidth": 5e10,
+        "step_overhead_s": 0.002,
+        "calibration": {},
+    }
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("policy", "chunk", "label"), [("chunked", 256, "chunked-256"), ("bullet", None, "bullet")]
+)
+def test_replaying_a_run_on_its_own_profile_matches(tmp_path, capsys, policy, chunk, label):
+    profile = _cpu_profile(tmp_path)
+    config = SimConfig(
+        hardware=str(profile),
+        model="smollm2-135m",
+        policy=policy,
+        chunked_prefill_size=chunk,
+        num_prompts=20,
+        request_rates=(1.0, 2.0),
+        slo=SLO(3.0, 150.0),
+        noise=0.0,
+        num_gpu_blocks_override=4000,
+    )
+    measured = dataclasses.replace(simulate(config), simulated=False, hardware=None)
+    measured_path = tmp_path / f"{label}.json"
+    measured.save(measured_path)
+    argv = [str(measured_path), "--profile", str(profile), "--noise", "0"]
+    argv += ["--num-gpu-blocks-override", "4000", "--out-dir", str(tmp_path / "sim")]
+    assert _script().main(argv) == 0
+    out = capsys.readouterr().out
+    assert "largest difference 0.0%" in out and "mean TPOT ms" in out
+    assert (tmp_path / "sim" / f"sim-{label}.json").exists()
+
+
+def test_policy_from_label():
+    policy_of = _script().policy_of
+    assert policy_of("chunked-1024") == ("chunked", 1024)
+    assert policy_of("bullet (auto)") == ("bullet", None)
+    assert policy_of("prefill-first") == ("prefill-first", None)
+    with pytest.raises(ValueError, match="--policy"):
+        policy_of("vllm")
