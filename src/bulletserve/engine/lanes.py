@@ -159,8 +159,10 @@ class LanedEngine(LLMEngine):
             self._state.notify_all()
 
     def has_unfinished(self) -> bool:
+        """Work left, or outputs the lanes produced that `step()` has not returned yet."""
         with self._state:
-            return super().has_unfinished() or self._prefill is not None
+            pending = self._prefill is not None or not self._outputs.empty()
+            return pending or super().has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         """Start the lanes on first use; return the outputs they produced since the last call
