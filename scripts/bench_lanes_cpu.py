@@ -35,9 +35,10 @@ CONFIGS = {
 
 
 def isolated_latencies(max_model_len: int, count: int, seed: int) -> dict:
+    import numpy as np
+
     from bulletserve import LLM, SamplingParams
     from bulletserve.bench.lengths import fit_to_context, sample_sharegpt_like
-    import numpy as np
 
     llm = LLM(max_model_len=max_model_len)
     pairs = fit_to_context(sample_sharegpt_like(count, np.random.default_rng(seed)), max_model_len)

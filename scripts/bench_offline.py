@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -53,7 +54,7 @@ def run_transformers(args: argparse.Namespace) -> dict:
     from bulletserve.model.source import default_model_file
     from bulletserve.model.tokenizer import load_tokenizer
 
-    torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     tokenizer = load_tokenizer(None)
     folder = _converted_gguf(default_model_file())  # the same weights ours runs
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolve_dtype(args.dtype))
@@ -136,7 +137,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=None)
-    parser.add_argument("--child", choices=("ours", "transformers", "steps"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=("ours", "transformers", "steps"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.child:
         _child(args)
@@ -161,7 +164,7 @@ def main() -> None:
     theirs = statistics.median(r["tokens_per_s"] for r in runs["transformers"])
     summary = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores",
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "settings": vars(args) | {"output": str(args.output)},
         "ours_tokens_per_s": ours,
         "transformers_tokens_per_s": theirs,

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from bulletserve import LLM, SamplingParams
-from bulletserve.engine.lanes import parse_partition
-from bulletserve.sched.bullet import Split
+from bulletserve.sched.bullet import Split, parse_partition
 
 BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # layers * (k, v) * kv heads * head dim * fp32 * block
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

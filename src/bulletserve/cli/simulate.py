@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bulletserve.cli import CLIError
 from bulletserve.sched import POLICIES
+from bulletserve.sched.bullet import parse_partition
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -117,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--gpu-memory-utilization must be in (0, 1]")
     if args.burstiness <= 0 or args.noise < 0:
         raise CLIError("--burstiness must be positive and --noise at least 0")
-    partition, static = _partition(args.partition)
+    try:
+        partition, split = parse_partition(args.partition)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    static = (split.prefill, split.decode) if split else None
     config = SimConfig(
         hardware=args.hardware,
         model=args.model,
@@ -161,16 +166,3 @@ def run(args: argparse.Namespace) -> int:
         plot_results([result], args.plot)
         print(f"plots: {args.plot}/")
     return 0
-
-
-def _partition(text: str) -> tuple[str, tuple[int, int] | None]:
-    """--partition auto|none|static:P/D; the unit counts are checked against the device later."""
-    if text in ("auto", "none"):
-        return text, None
-    try:
-        prefill, decode = (int(x) for x in text.removeprefix("static:").split("/"))
-    except ValueError:
-        raise CLIError(f"--partition must be auto, none or static:P/D, not {text!r}") from None
-    if not text.startswith("static:"):
-        raise CLIError(f"--partition must be auto, none or static:P/D, not {text!r}")
-    return "static", (prefill, decode)

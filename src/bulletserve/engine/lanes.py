@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -35,56 +34,17 @@ from bulletserve.sched.bullet import (
     BulletPlan,
     BulletPolicy,
     BulletSnapshot,
-    LatencyStats,
+    LatencyWindow,
     PrefillInFlight,
     Slo,
     Split,
     UnitSpace,
+    parse_partition,
 )
 
 logger = logging.getLogger(__name__)
 
-STATS_WINDOW = 64  # recent requests behind the P90 TTFT and TPOT the scheduler sees
 IDLE_WAIT_S = 0.005
-
-
-def parse_partition(text: str, total_units: int) -> tuple[str, Split | None]:
-    """`--partition auto|none|static:P/D` -> (mode, static split)."""
-    if text in ("auto", "none"):
-        return text, None
-    try:
-        prefill, decode = (int(x) for x in text.removeprefix("static:").split("/"))
-    except ValueError:
-        raise ValueError(f"--partition static must look like static:P/D, not {text!r}") from None
-    if prefill + decode > total_units:
-        raise ValueError(f"--partition {text}: P + D exceeds the device's {total_units} units")
-    return "static", Split(prefill, decode)
-
-
-class LatencyWindow:
-    """P90 normalized TTFT and TPOT over the last STATS_WINDOW finished requests."""
-
-    def __init__(self) -> None:
-        self.ttft_per_token: deque[float] = deque(maxlen=STATS_WINDOW)
-        self.tpot: deque[float] = deque(maxlen=STATS_WINDOW)
-
-    def add(self, request: Request) -> None:
-        t = request.timings
-        if t.first_token is None or t.finished is None:
-            return
-        self.ttft_per_token.append((t.first_token - t.arrival) / len(request.prompt_token_ids))
-        if len(request.output_token_ids) > 1:
-            self.tpot.append((t.finished - t.first_token) / (len(request.output_token_ids) - 1))
-
-    def stats(self) -> LatencyStats:
-        return LatencyStats(_p90(self.ttft_per_token), _p90(self.tpot))
-
-
-def _p90(values: deque[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 @dataclass
@@ -238,8 +198,11 @@ class LanedEngine(LLMEngine):
         self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
     ) -> None:
         super()._finish(request, reason, state)
-        if state is RequestState.FINISHED:
-            self._latency.add(request)
+        t = request.timings
+        if state is RequestState.FINISHED and t.first_token is not None:
+            outputs = len(request.output_token_ids)
+            tpot = (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
+            self._latency.add((t.first_token - t.arrival) / len(request.prompt_token_ids), tpot)
 
     def _publish(self, requests: list[Request]) -> None:
         for request in requests:

@@ -9,6 +9,7 @@ Decisions come from the snapshot and the performance model's predictions only.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from bulletserve.perf.model import PerfModel
@@ -20,6 +21,7 @@ from bulletserve.sched.base import PlanBuilder, ScheduledSeq, SchedulerSnapshot,
 RISK_SHARE = 0.7
 # Decode gets units for a predicted step time within this share of the TPOT SLO.
 TPOT_HEADROOM = 0.8
+STATS_WINDOW = 64  # recent requests behind the P90 TTFT and TPOT the scheduler sees
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,47 @@ class LatencyStats:
 
     p90_ttft_per_token_s: float | None = None
     p90_tpot_s: float | None = None
+
+
+class LatencyWindow:
+    """P90 normalized TTFT and TPOT over the last STATS_WINDOW finished requests; the engine
+    and the simulator feed it the same way."""
+
+    def __init__(self) -> None:
+        self.ttft_per_token: deque[float] = deque(maxlen=STATS_WINDOW)
+        self.tpot: deque[float] = deque(maxlen=STATS_WINDOW)
+
+    def add(self, ttft_per_token_s: float, tpot_s: float | None) -> None:
+        """One finished request; tpot_s is None when it produced a single token."""
+        self.ttft_per_token.append(ttft_per_token_s)
+        if tpot_s is not None:
+            self.tpot.append(tpot_s)
+
+    def stats(self) -> LatencyStats:
+        return LatencyStats(_p90(self.ttft_per_token), _p90(self.tpot))
+
+
+def _p90(values: deque[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def parse_partition(text: str, total_units: int | None = None) -> tuple[str, Split | None]:
+    """`--partition auto|none|static:P/D` -> (mode, static split); P + D is checked against
+    the device when its unit count is known."""
+    if text in ("auto", "none"):
+        return text, None
+    try:
+        if not text.startswith("static:"):
+            raise ValueError
+        prefill, decode = (int(x) for x in text.removeprefix("static:").split("/"))
+    except ValueError:
+        raise ValueError(f"--partition must be auto, none or static:P/D, not {text!r}") from None
+    if total_units is not None and prefill + decode > total_units:
+        raise ValueError(f"--partition {text}: P + D exceeds the device's {total_units} units")
+    return "static", Split(prefill, decode)
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import (
     BulletPolicy,
     BulletSnapshot,
+    LatencyWindow,
     PrefillInFlight,
     Split,
 )
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.request import SimRequest
 from bulletserve.sim.state import SimState
-from bulletserve.sim.window import SimLatencyWindow
 
 IDLE_WAIT_S = 0.005  # the engine's poll interval for a waiting lane while work exists
 STALL_POLLS = 10_000  # consecutive polls with nothing stepping and nothing due: a stall
@@ -71,7 +71,7 @@ class LanedSimulator:
         self.total = policy.units.total
         self.num_layers = policy.num_layers
         self.split = Split(0, self.total)
-        self.window = SimLatencyWindow()
+        self.window = LatencyWindow()
         self.prefill_batch: list[SimRequest] | None = None
         self.layers_done = 0
         self.busy: set[str] = set()
@@ -252,10 +252,17 @@ class LanedSimulator:
             for request in step.requests:
                 request.num_computed_tokens = request.num_tokens
                 if self.state.append_token(request, now):
-                    self.window.add(request)
+                    self._record_latency(request)
         self.state.log_step(record)
         self.ready.add(lane)
         self._notify()
+
+    def _record_latency(self, request: SimRequest) -> None:
+        times = request.token_times
+        if not times or request.finished_at is None:
+            return
+        tpot = (request.finished_at - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        self.window.add((times[0] - request.arrival) / request.input_len, tpot)
 
     def _finish_prefill(self, now: float) -> None:
         batch, self.prefill_batch = self.prefill_batch or [], None
@@ -264,4 +271,4 @@ class LanedSimulator:
             request.num_computed_tokens = request.num_tokens
             self.state.running.append(request)
             if self.state.append_token(request, now):
-                self.window.add(request)
+                self._record_latency(request)

@@ -1,0 +1,187 @@
+"""Server overhead: output tokens/s through `bullet serve` vs the offline `LLM.generate` API.
+
+Both sides get the same requests (fixed random prompt token ids, greedy, ignore_eos, a fixed
+output length) and the same engine settings, with at most `--concurrency` requests in flight:
+the server is driven by that many streaming clients, the offline engine runs with
+`max_num_seqs = concurrency`. The server runs in a subprocess, the client and the offline engine
+in this process; runs alternate (offline, server, offline, ...) and the medians are reported.
+
+    .venv/bin/python scripts/bench_server_overhead.py --runs 3 --output result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="as for bullet serve (default: SmolLM2)")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON")
+    return parser.parse_args()
+
+
+def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    # Skip the lowest ids, where tokenizers keep their special tokens.
+    return [
+        [rng.randrange(1000, vocab_size) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--load-format", args.load_format, "--dtype", args.dtype, "--seed", str(args.seed)]
+    flags += ["--max-num-seqs", str(args.concurrency)]
+    return flags + (["--model", args.model] if args.model else [])
+
+
+def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
+    command = [
+        sys.executable, "-c", "import sys; from bulletserve.cli import main; sys.exit(main())",
+        "serve", "--host", "127.0.0.1", "--port", str(args.port), "--log-level", "warning",
+        *engine_flags(args),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{args.port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"bullet serve exited:\n{log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    sys.exit("bullet serve did not start within 300 s")
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> int:
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    last = ""
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                last = line
+    return json.loads(last[6:])["usage"]["completion_tokens"]
+
+
+async def _through_server(url: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    queue = list(reversed(prompts))
+    tokens = 0
+    limits = httpx.Limits(max_connections=args.concurrency, keepalive_expiry=30)
+
+    async with httpx.AsyncClient(limits=limits, timeout=600, trust_env=False) as client:
+
+        async def worker() -> None:
+            nonlocal tokens
+            while queue:
+                produced = await _one(client, url, queue.pop(), args.output_len)
+                tokens += produced
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        elapsed = time.perf_counter() - start
+    assert tokens == len(prompts) * args.output_len, tokens
+    return tokens / elapsed
+
+
+def server_run(url: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    return asyncio.run(_through_server(url, prompts, args))
+
+
+def offline_run(llm, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    from bulletserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    assert tokens == len(prompts) * args.output_len, tokens
+    return tokens / elapsed
+
+
+def main() -> None:
+    args = parse_args()
+    from bulletserve.engine.llm import LLM
+
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_num_seqs=args.concurrency,
+    )
+    prompts = make_prompts(args, llm.engine.model_config.vocab_size)
+    warmup = prompts[: args.concurrency // 4 or 1]
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(args, Path(tmp) / "serve.log")
+        url = f"http://127.0.0.1:{args.port}"
+        try:
+            offline_run(llm, warmup, args)
+            server_run(url, warmup, args)
+            offline, served, load = [], [], []
+            for run in range(args.runs):
+                load.append(os.getloadavg()[0])  # other work on the machine skews a run
+                offline.append(offline_run(llm, prompts, args))
+                served.append(server_run(url, prompts, args))
+                print(
+                    f"run {run + 1}: offline {offline[-1]:.1f} tok/s, "
+                    f"server {served[-1]:.1f} tok/s ({served[-1] / offline[-1]:.3f}x), "
+                    f"load average before the run {load[-1]:.2f}",
+                    flush=True,
+                )
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    result = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "offline_tok_s": offline,
+        "server_tok_s": served,
+        "load_average_1min": load,
+        "median_offline_tok_s": statistics.median(offline),
+        "median_server_tok_s": statistics.median(served),
+        "median_ratio": statistics.median(s / o for s, o in zip(served, offline, strict=True)),
+    }
+    print(
+        f"median: offline {result['median_offline_tok_s']:.1f} tok/s, server "
+        f"{result['median_server_tok_s']:.1f} tok/s, ratio {result['median_ratio']:.3f}"
+    )
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
