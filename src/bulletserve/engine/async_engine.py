@@ -90,6 +90,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     def _loop(self) -> None:
         engine = self.engine

@@ -143,6 +143,18 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
+    @property
+    def num_running(self) -> int:
+        """Requests past admission and not finished."""
+        return len(self.running)
+
+    def lane_units(self) -> dict[str, tuple[int, float | None]]:
+        """lane -> (units it has now, last relative prediction error); one lane: none."""
+        return {}
+
+    def close(self) -> None:
+        """Stop background work (the laned engine's threads); the single lane has none."""
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._inbox or self._aborts or self.waiting or self.running)

@@ -124,6 +124,17 @@ class LanedEngine(LLMEngine):
             pending = self._prefill is not None or not self._outputs.empty()
             return pending or super().has_unfinished()
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (len(self._prefill.requests) if self._prefill else 0)
+
+    def lane_units(self) -> dict[str, tuple[int, float | None]]:
+        split = self.split
+        return {
+            "prefill": (split.prefill, self.prediction_error.get("prefill")),
+            "decode": (split.decode, self.prediction_error.get("decode")),
+        }
+
     def step(self) -> list[RequestOutput]:
         """Start the lanes on first use; return the outputs they produced since the last call
         (waiting briefly for at least one)."""

@@ -38,8 +38,8 @@ class _EngineCollector(Collector):
         families = [
             (
                 "bullet:num_requests_running",
-                "Requests in the running batch.",
-                len(engine.running),
+                "Requests admitted and not finished (both lanes under bullet).",
+                engine.num_running,
             ),
             (
                 "bullet:num_requests_waiting",
@@ -64,6 +64,23 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         preemptions.add_metric(labels, engine.num_preemptions)
         yield preemptions
+        lanes = engine.lane_units()
+        if lanes:
+            units = GaugeMetricFamily(
+                "bullet:lane_units", "Compute units (SMs or CPU threads) each lane has now.",
+                labels=["model_name", "lane"],
+            )  # fmt: skip
+            error = GaugeMetricFamily(
+                "bullet:step_prediction_error",
+                "|predicted / measured - 1| of each lane's last step.",
+                labels=["model_name", "lane"],
+            )
+            for lane, (count, last_error) in lanes.items():
+                units.add_metric([self.model_name, lane], count)
+                if last_error is not None:
+                    error.add_metric([self.model_name, lane], last_error)
+            yield units
+            yield error
 
 
 class ServerMetrics:
