@@ -16,11 +16,13 @@ import asyncio
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -88,20 +90,45 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], output_le
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    last = ""
+    # The client shares the CPU with the server: keep only the tail of the stream (the last
+    # event before [DONE] carries the usage) instead of decoding every event.
+    tail = b""
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                last = line
-    return json.loads(last[6:])["usage"]["completion_tokens"]
+        async for data in response.aiter_raw():
+            tail = (tail + data)[-4096:]
+    events = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
+    return json.loads(events[-1][6:])["usage"]["completion_tokens"]
 
 
-async def _through_server(url: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
+@dataclass
+class Run:
+    tokens: int
+    wall_s: float
+    cpu_s: float  # CPU time of every process involved (server and client, or the offline engine)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def tok_per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process, or of process `pid` (all its threads)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _through_server(url: str, prompts: list[list[int]], args: argparse.Namespace) -> int:
     queue = list(reversed(prompts))
     tokens = 0
     limits = httpx.Limits(max_connections=args.concurrency, keepalive_expiry=30)
-
     async with httpx.AsyncClient(limits=limits, timeout=600, trust_env=False) as client:
 
         async def worker() -> None:
@@ -110,27 +137,28 @@ async def _through_server(url: str, prompts: list[list[int]], args: argparse.Nam
                 produced = await _one(client, url, queue.pop(), args.output_len)
                 tokens += produced
 
-        start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        elapsed = time.perf_counter() - start
+    return tokens
+
+
+def server_run(url: str, pid: int, prompts: list[list[int]], args: argparse.Namespace) -> Run:
+    cpu, start = cpu_seconds() + cpu_seconds(pid), time.perf_counter()
+    tokens = asyncio.run(_through_server(url, prompts, args))
+    wall = time.perf_counter() - start
     assert tokens == len(prompts) * args.output_len, tokens
-    return tokens / elapsed
+    return Run(tokens, wall, cpu_seconds() + cpu_seconds(pid) - cpu)
 
 
-def server_run(url: str, prompts: list[list[int]], args: argparse.Namespace) -> float:
-    return asyncio.run(_through_server(url, prompts, args))
-
-
-def offline_run(llm, prompts: list[list[int]], args: argparse.Namespace) -> float:
+def offline_run(llm, prompts: list[list[int]], args: argparse.Namespace) -> Run:
     from bulletserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
+    cpu, start = cpu_seconds(), time.perf_counter()
     outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     assert tokens == len(prompts) * args.output_len, tokens
-    return tokens / elapsed
+    return Run(tokens, wall, cpu_seconds() - cpu)
 
 
 def main() -> None:
@@ -151,33 +179,46 @@ def main() -> None:
         url = f"http://127.0.0.1:{args.port}"
         try:
             offline_run(llm, warmup, args)
-            server_run(url, warmup, args)
+            server_run(url, server.pid, warmup, args)
             offline, served, load = [], [], []
             for run in range(args.runs):
                 load.append(os.getloadavg()[0])  # other work on the machine skews a run
                 offline.append(offline_run(llm, prompts, args))
-                served.append(server_run(url, prompts, args))
+                served.append(server_run(url, server.pid, prompts, args))
                 print(
-                    f"run {run + 1}: offline {offline[-1]:.1f} tok/s, "
-                    f"server {served[-1]:.1f} tok/s ({served[-1] / offline[-1]:.3f}x), "
+                    f"run {run + 1}: offline {offline[-1].tok_s:.1f} tok/s "
+                    f"({offline[-1].tok_per_cpu_s:.1f} tok/CPU-s), server "
+                    f"{served[-1].tok_s:.1f} tok/s ({served[-1].tok_per_cpu_s:.1f} tok/CPU-s), "
+                    f"ratio {served[-1].tok_s / offline[-1].tok_s:.3f}; "
                     f"load average before the run {load[-1]:.2f}",
                     flush=True,
                 )
         finally:
             server.terminate()
             server.wait(timeout=60)
+
+    def median_ratio(metric: str) -> float:
+        ratios = [
+            getattr(s, metric) / getattr(o, metric) for s, o in zip(served, offline, strict=True)
+        ]
+        return statistics.median(ratios)
+
     result = {
+        "date": time.strftime("%Y-%m-%d"),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "offline_tok_s": offline,
-        "server_tok_s": served,
+        "offline": [asdict(r) | {"tok_s": r.tok_s} for r in offline],
+        "server": [asdict(r) | {"tok_s": r.tok_s} for r in served],
         "load_average_1min": load,
-        "median_offline_tok_s": statistics.median(offline),
-        "median_server_tok_s": statistics.median(served),
-        "median_ratio": statistics.median(s / o for s, o in zip(served, offline, strict=True)),
+        "median_offline_tok_s": statistics.median(r.tok_s for r in offline),
+        "median_server_tok_s": statistics.median(r.tok_s for r in served),
+        "median_ratio_tok_s": median_ratio("tok_s"),
+        "median_ratio_tok_per_cpu_s": median_ratio("tok_per_cpu_s"),
     }
     print(
         f"median: offline {result['median_offline_tok_s']:.1f} tok/s, server "
-        f"{result['median_server_tok_s']:.1f} tok/s, ratio {result['median_ratio']:.3f}"
+        f"{result['median_server_tok_s']:.1f} tok/s; server/offline: throughput "
+        f"{result['median_ratio_tok_s']:.3f}, tokens per CPU-second "
+        f"{result['median_ratio_tok_per_cpu_s']:.3f}"
     )
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
