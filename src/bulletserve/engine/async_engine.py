@@ -62,8 +62,6 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput after every step that advanced the request, the last one
         finished. ValueError (bad input) is raised before the first yield."""
-        if not self.healthy:
-            raise EngineDeadError(f"the engine has failed: {self.error!r}")
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:
@@ -71,6 +69,9 @@ class AsyncEngine:
             self._streams[request_id] = stream
         finished = False
         try:
+            # Checked after registering: a fault from here on reaches this stream.
+            if not self.healthy:
+                raise EngineDeadError(f"the engine has failed: {self.error!r}")
             self.engine.add_request(prompt, params, request_id, arrival_time or time.monotonic())
             self._wake.set()
             while not finished:
@@ -106,17 +107,26 @@ class AsyncEngine:
                 self.error = exc
                 self._fail_all(EngineDeadError(f"engine fault: {exc}"))
                 return
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver([(output.request_id, output) for output in outputs])
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams with one wake-up per event loop (not one per
+        request): the loop thread competes with the compute threads for the cores."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         with self._streams_lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:
-            streams = list(self._streams.items())
-        for request_id, _ in streams:
-            self._deliver(request_id, error)
+            request_ids = list(self._streams)
+        self._deliver([(request_id, error) for request_id in request_ids])
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
