@@ -68,9 +68,9 @@ class LanedEngine(LLMEngine):
         self.split = Split(0, self.units.total)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._step_log = open(config.step_log, "a") if config.step_log else None  # noqa: SIM115
-        self.prediction_error: dict[str, float] = {}
-        self.lane_error: BaseException | None = None  # lane -> last |predicted/measured - 1|
+        self._step_log = open(config.step_log, "a") if config.step_log else None
+        self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
+        self.lane_error: BaseException | None = None
 
     def _make_policy(self) -> BulletPolicy:
         self.units: Units = lane_units(self.device, self.config.num_threads)
