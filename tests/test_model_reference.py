@@ -89,3 +89,31 @@ def test_ragged_batch_from_paged_cache_matches(pair):
         ]
     )
     assert _relative_error(ours, expected) < 1e-4
+
+
+@torch.inference_mode()
+def test_sharded_safetensors_folder_loads(tmp_path):
+    reference = make_hf_model("llama", tmp_path, seed=4, max_shard_size="2MB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ours = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), 512)
+    pool = KVPool(ours.config, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    runner = ModelRunner(ours, pool, torch.device("cpu"))
+    tokens = list(range(100, 120))
+    logits = _all_logits(runner, [SeqWork(tokens, 0, pool.allocator.allocate(5), True)])
+    assert _relative_error(logits, reference(torch.tensor([tokens])).logits[0]) < 1e-4
+
+
+def test_unsupported_architecture_and_missing_weights_are_named(tmp_path):
+    import json
+
+    from bulletserve.model.config import UnsupportedModelError
+    from bulletserve.model.loader import load_config
+    from bulletserve.model.source import ModelNotFoundError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture.*GPT2LMHeadModel"):
+        load_config(resolve_model(str(tmp_path)))
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
+        resolve_model(str(tmp_path))

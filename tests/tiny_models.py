@@ -11,7 +11,14 @@ from bulletserve.model.tokenizer import load_tokenizer
 TINY_VOCAB = 49152  # the default model's tokenizer, so text prompts work on tiny models
 
 
-def make_hf_model(family: str, folder: Path, seed: int = 0, init_std: float = 0.02, **overrides):
+def make_hf_model(
+    family: str,
+    folder: Path,
+    seed: int = 0,
+    init_std: float = 0.02,
+    max_shard_size: str | None = None,
+    **overrides,
+):
     """Create a tiny random transformers model of `family`, save it with a tokenizer, return it."""
     import transformers
 
@@ -52,6 +59,9 @@ def make_hf_model(family: str, folder: Path, seed: int = 0, init_std: float = 0.
                 ):
                     proj.bias.normal_(0, 0.5)
     model.eval()
-    model.save_pretrained(folder)
+    if max_shard_size:
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(folder)
     load_tokenizer(None).save_pretrained(folder)
     return model
