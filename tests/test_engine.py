@@ -8,13 +8,7 @@ import pytest
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.engine.engine import LLMEngine
-
-BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # layers * (k, v) * kv heads * head dim * fp32 * block
-
-
-def _prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randint(low, high))] for _ in range(count)]
+from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
 
 def _llm(model_dir, **kwargs) -> LLM:
@@ -29,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def alone_outputs(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, max_num_seqs=1)
-    return [o.token_ids for o in llm.generate(_prompts(10, seed=5), GREEDY)]
+    return [o.token_ids for o in llm.generate(random_prompts(10, seed=5), GREEDY)]
 
 
 @pytest.mark.parametrize(
@@ -39,8 +33,8 @@ def alone_outputs(tiny_llama_dir):
         {"policy": "chunked", "chunked_prefill_size": 16},
         {"policy": "chunked", "chunked_prefill_size": 5},
         {"policy": "prefill-first"},
-        {"policy": "chunked", "kv_cache_memory": str(20 * BYTES_PER_BLOCK)},
-        {"policy": "prefill-first", "kv_cache_memory": str(20 * BYTES_PER_BLOCK)},
+        {"policy": "chunked", "kv_cache_memory": str(20 * TINY_LLAMA_BLOCK_BYTES)},
+        {"policy": "prefill-first", "kv_cache_memory": str(20 * TINY_LLAMA_BLOCK_BYTES)},
     ],
     ids=[
         "chunked-2048",
@@ -55,7 +49,7 @@ def test_greedy_output_independent_of_batch_policy_and_preemption(
     tiny_llama_dir, alone_outputs, settings
 ):
     llm = _llm(tiny_llama_dir, **settings)
-    outputs = llm.generate(_prompts(10, seed=5), GREEDY)
+    outputs = llm.generate(random_prompts(10, seed=5), GREEDY)
     assert [o.token_ids for o in outputs] == alone_outputs
     if "kv_cache_memory" in settings:
         assert sum(o.num_preemptions for o in outputs) > 0
@@ -68,14 +62,16 @@ def test_stale_memory_in_the_pool_never_leaks_into_attention(tiny_llama_dir, alo
     pool = llm.engine.pool
     pool.kv.fill_(float("nan"))
     pool.kv[:, :, : pool.block_size].zero_()  # the null block stays zero
-    outputs = llm.generate(_prompts(10, seed=5), GREEDY)
+    outputs = llm.generate(random_prompts(10, seed=5), GREEDY)
     assert [o.token_ids for o in outputs] == alone_outputs
 
 
 def test_300_requests_through_a_small_pool_all_finish(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, kv_cache_memory=str(24 * BYTES_PER_BLOCK), chunked_prefill_size=64)
+    llm = _llm(
+        tiny_llama_dir, kv_cache_memory=str(24 * TINY_LLAMA_BLOCK_BYTES), chunked_prefill_size=64
+    )
     rng = random.Random(7)
-    prompts = _prompts(300, seed=8, low=1, high=120)
+    prompts = random_prompts(300, seed=8, low=1, high=120)
     params = [
         SamplingParams(
             max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 0.8]), ignore_eos=True
@@ -95,11 +91,11 @@ def test_300_requests_through_a_small_pool_all_finish(tiny_llama_dir):
 
 def test_seeded_sampling_reproduces_whatever_the_batch(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
-    prompt = _prompts(1, seed=9)[0]
+    prompt = random_prompts(1, seed=9)[0]
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     alone = llm.generate([prompt], seeded)[0].token_ids
     others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
-    batch = llm.generate([prompt, *_prompts(5, seed=10)], [seeded] + [others] * 5)
+    batch = llm.generate([prompt, *random_prompts(5, seed=10)], [seeded] + [others] * 5)
     assert batch[0].token_ids == alone
     other_seed = SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
     assert llm.generate([prompt], other_seed)[0].token_ids != alone
@@ -107,7 +103,7 @@ def test_seeded_sampling_reproduces_whatever_the_batch(tiny_llama_dir):
 
 def test_top_k_one_is_greedy_and_logprobs_are_consistent(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
-    prompt = _prompts(1, seed=11)[0]
+    prompt = random_prompts(1, seed=11)[0]
     greedy = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     top1 = llm.generate(
         [prompt],
@@ -125,7 +121,7 @@ def test_top_k_one_is_greedy_and_logprobs_are_consistent(tiny_llama_dir):
 
 def test_top_p_keeps_sampling_within_the_nucleus(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
-    prompt = _prompts(1, seed=12)[0]
+    prompt = random_prompts(1, seed=12)[0]
     tiny_p = SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     assert (
@@ -148,7 +144,7 @@ def test_stop_string_truncates_the_text(tiny_llama_dir):
 
 def test_stop_token_ids_and_max_model_len(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, max_model_len=32)
-    prompt = _prompts(1, seed=13, low=20, high=20)[0]
+    prompt = random_prompts(1, seed=13, low=20, high=20)[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 32
     third = out.token_ids[2]
@@ -163,7 +159,7 @@ def test_stop_token_ids_and_max_model_len(tiny_llama_dir):
 def test_abort_frees_blocks_at_once(tiny_llama_dir):
     engine: LLMEngine = _llm(tiny_llama_dir).engine
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in _prompts(4, seed=14)]
+    ids = [engine.add_request(p, params) for p in random_prompts(4, seed=14)]
     for _ in range(3):
         engine.step()
     assert engine.pool.allocator.num_used > 0

@@ -11,20 +11,15 @@ import pytest
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.sched.bullet import Split, parse_partition
+from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
-BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # layers * (k, v) * kv heads * head dim * fp32 * block
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-def _prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, policy="prefill-first")
-    return [o.token_ids for o in llm.generate(_prompts(12, seed=21), GREEDY)]
+    return [o.token_ids for o in llm.generate(random_prompts(12, seed=21), GREEDY)]
 
 
 @pytest.mark.parametrize(
@@ -34,7 +29,7 @@ def reference(tiny_llama_dir):
         {"prefill_layers_per_step": 1},
         {"partition": "none"},
         {"partition": "static:1/1"},
-        {"prefill_layers_per_step": 1, "kv_cache_memory": str(16 * BYTES_PER_BLOCK)},
+        {"prefill_layers_per_step": 1, "kv_cache_memory": str(16 * TINY_LLAMA_BLOCK_BYTES)},
     ],
     ids=["auto", "layer-groups", "none", "static", "preempting"],
 )
@@ -50,7 +45,7 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
         **settings,
     )
     try:
-        outputs = llm.generate(_prompts(12, seed=21), GREEDY)
+        outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
         assert [o.token_ids for o in outputs] == reference
         assert llm.engine.pool.allocator.num_used == 0
         if "kv_cache_memory" in settings:
@@ -76,10 +71,10 @@ def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):
         max_model_len=256,
         policy="bullet",
         prefill_layers_per_step=1,
-        kv_cache_memory=str(24 * BYTES_PER_BLOCK),
+        kv_cache_memory=str(24 * TINY_LLAMA_BLOCK_BYTES),
     )
     rng = random.Random(3)
-    prompts = _prompts(300, seed=22, low=1, high=120)
+    prompts = random_prompts(300, seed=22, low=1, high=120)
     params = [
         SamplingParams(
             max_tokens=rng.randint(1, 30), temperature=rng.choice([0, 0.8]), ignore_eos=True
@@ -109,7 +104,7 @@ def test_abort_in_either_lane_frees_blocks(tiny_llama_dir):
     engine = llm.engine
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     try:
-        ids = [engine.add_request(p, params) for p in _prompts(6, seed=23, low=50, high=120)]
+        ids = [engine.add_request(p, params) for p in random_prompts(6, seed=23, low=50, high=120)]
         seen = []
         deadline = time.monotonic() + 60
         while len(seen) < 3 and time.monotonic() < deadline:
@@ -149,7 +144,7 @@ def test_step_log_plots_the_split_over_time(tiny_llama_dir, tmp_path):
         step_log=str(log),
     )
     try:
-        llm.generate(_prompts(4, seed=24), GREEDY)
+        llm.generate(random_prompts(4, seed=24), GREEDY)
     finally:
         llm.engine.close()
     png = plot_step_log(log, [], tmp_path / "split.png")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -9,6 +10,17 @@ import torch
 from bulletserve.model.tokenizer import load_tokenizer
 
 TINY_VOCAB = 49152  # the default model's tokenizer, so text prompts work on tiny models
+# One KV block of the session's tiny Llama in fp32: layers * (k, v) * kv heads * head dim * 4 B
+# * 16 tokens; for sizing deliberately small pools.
+TINY_LLAMA_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16
+
+
+def random_prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
+    """`count` prompts of random token ids with lengths in [low, high]."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)
+    ]
 
 
 def make_hf_model(
