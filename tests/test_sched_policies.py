@@ -97,3 +97,16 @@ def test_out_of_blocks_preempts_the_newest_running_request():
     plan = ChunkedPolicy(512).plan(snapshot)
     assert plan.preempted == ("d2",)
     assert [s.request_id for s in plan.scheduled] == ["d0", "d1"]
+
+
+def test_policies_import_without_torch():
+    """Scheduling code is pure: the engine and the simulator run it as is."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, bulletserve.sched, bulletserve.sched.bullet; "
+        "assert 'torch' not in sys.modules, 'sched/ imported torch'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
