@@ -129,6 +129,8 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             timings=RequestTimings(arrival=arrival_time or time.monotonic()),
+            stop_ids=frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else self.eos_token_ids),
         )
         if params.seed is not None:
             request.generator = self.sampler.new_request_generator(params.seed)
@@ -199,7 +201,7 @@ class LLMEngine:
                 request.state = RequestState.PREFILLING
         sampled = [by_id[plan.scheduled[i].request_id] for i in sampling]
         if sampled:
-            stop_sets = [self._stop_ids(r) for r in sampled]
+            stop_sets = [r.stop_ids for r in sampled]
             tokens, logprobs = self.sampler.sample(logits, sampled, stop_sets)
             now = time.monotonic()
             for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
@@ -235,7 +237,8 @@ class LLMEngine:
         return outputs
 
     def _apply_preemptions(self, plan: StepPlan) -> None:
-        preempted = [r for r in self.running if r.request_id in set(plan.preempted)]
+        preempted_ids = set(plan.preempted)
+        preempted = [r for r in self.running if r.request_id in preempted_ids]
         for request in preempted:
             self.running.remove(request)
             self._release_blocks(request)
@@ -251,10 +254,6 @@ class LLMEngine:
         if need > 0:
             request.block_table.extend(self.pool.allocator.allocate(need))
 
-    def _stop_ids(self, request: Request) -> frozenset[int]:
-        ids = frozenset(request.params.stop_token_ids)
-        return ids if request.params.ignore_eos else ids | self.eos_token_ids
-
     def _append_token(
         self, request: Request, token: int, logprob: TokenLogprob | None, now: float
     ) -> None:
@@ -269,7 +268,7 @@ class LLMEngine:
         if detok is None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
             self._detokenizers[request.request_id] = detok
-        if token in self._stop_ids(request) and len(request.output_token_ids) > params.min_tokens:
+        if token in request.stop_ids and len(request.output_token_ids) > params.min_tokens:
             self._finish(request, "stop")
             return
         delta = detok.add(token)

@@ -356,9 +356,7 @@ class LanedEngine(LLMEngine):
         rows = [batch.requests.index(r) for r in live]
         if not live:
             return
-        tokens, logprobs = self.sampler.sample(
-            logits[rows], live, [self._stop_ids(r) for r in live]
-        )
+        tokens, logprobs = self.sampler.sample(logits[rows], live, [r.stop_ids for r in live])
         now = time.monotonic()
         for request, token, logprob in zip(live, tokens, logprobs, strict=True):
             self.running.append(request)
@@ -415,7 +413,7 @@ class LanedEngine(LLMEngine):
                 if live:
                     alive = [requests[i] for i in live]
                     tokens, logprobs = self.sampler.sample(
-                        logits[live], alive, [self._stop_ids(r) for r in alive]
+                        logits[live], alive, [r.stop_ids for r in alive]
                     )
                     now = time.monotonic()
                     for request, token, logprob in zip(alive, tokens, logprobs, strict=True):

@@ -51,6 +51,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: object | None = None  # the per-request torch.Generator when a seed is given
+    stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignore_eos)
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +62,9 @@ class Request:
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= prompt_len:  # a decode step: no copy of the whole sequence
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
     def is_finished(self) -> bool:
