@@ -62,9 +62,16 @@ def test_single_prompt_logits_match(pair):
 
 
 @torch.inference_mode()
-def test_ragged_batch_from_paged_cache_matches(pair):
-    """A fresh prefill, a chunk after a cached prefix, and decodes, all in one step."""
+@pytest.mark.parametrize("kernels", ["ours", "pytorch"])
+def test_ragged_batch_from_paged_cache_matches(pair, kernels):
+    """A fresh prefill, a chunk after a cached prefix, and decodes, all in one step; through our
+    CPU kernels (decode attention, fused norms, RoPE, SiLU) and through PyTorch ops alone."""
     reference, runner = pair
+    if kernels == "pytorch":
+        runner.decode_kernel = None
+        runner.model.use_fused_ops(None)
+    elif runner.decode_kernel is None or runner.model.norm.ops is None:
+        pytest.skip("our CPU kernels could not be built here")
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (11, 23, 9, 30)]
     tables = [runner.pool.allocator.allocate(-(-len(s) // 4)) for s in seqs]

@@ -8,6 +8,7 @@ import torch
 
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import AttentionMetadata, PrefillSpan
+from bulletserve.model.cpu_kernels import decode_attention_kernel
 from bulletserve.model.decoder import DecoderLM
 
 
@@ -39,6 +40,10 @@ class ModelRunner:
         self.device = device
         self.block_size = pool.block_size
         self._block_offsets = torch.arange(self.block_size)
+        config = model.config
+        self.decode_kernel = decode_attention_kernel(
+            pool.kv.dtype, config.head_dim, config.num_heads // config.num_kv_heads, device
+        )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         blocks = torch.tensor(block_table[: -(-end // self.block_size)], dtype=torch.long)
@@ -75,28 +80,15 @@ class ModelRunner:
                 logits_rows.append(query_start + query_len - 1)
                 sampling_order.append(index)
         num_prefill_tokens = sum(len(works[i].token_ids) for i in prefills)
-        decode_slots = decode_mask = None
+        decode_fields: dict = {}
         if decodes:
-            contexts = torch.tensor([works[i].start + 1 for i in decodes])
-            max_context = int(contexts.max())
-            max_blocks = -(-max_context // self.block_size)
-            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-            for row, i in enumerate(decodes):
-                table = works[i].block_table[:max_blocks]
-                tables[row, : len(table)] = torch.tensor(table)
-            slots = (tables.unsqueeze(2) * self.block_size + self._block_offsets).flatten(1)
-            valid = torch.arange(max_context).unsqueeze(0) < contexts.unsqueeze(1)
-            # Positions past a context (the unwritten tail of its last block) read the zeroed
-            # null block: masked scores still multiply V, and stale memory may hold NaNs.
-            decode_slots = torch.where(valid, slots[:, :max_context], 0).to(self.device)
-            decode_mask = valid[:, None, None, :].to(self.device)
+            decode_fields = self._decode_fields([works[i] for i in decodes])
         to = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(to),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            **decode_fields,
         )
         return StepBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=to),
@@ -105,6 +97,31 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=to),
             sampling_order=sampling_order,
         )
+
+    def _decode_fields(self, works: list[SeqWork]) -> dict:
+        """Attention metadata of the decoding sequences, for the kernel or the SDPA path."""
+        contexts = [w.start + 1 for w in works]
+        max_blocks = -(-max(contexts) // self.block_size)
+        tables = torch.zeros(len(works), max_blocks, dtype=torch.int32)
+        for row, work in enumerate(works):
+            table = work.block_table[:max_blocks]
+            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        if self.decode_kernel is not None:
+            return {
+                "decode_kernel": self.decode_kernel,
+                "decode_block_tables": tables,
+                "decode_context_lens": torch.tensor(contexts, dtype=torch.int32),
+                "block_size": self.block_size,
+            }
+        max_context = max(contexts)
+        slots = (tables.long().unsqueeze(2) * self.block_size + self._block_offsets).flatten(1)
+        valid = torch.arange(max_context).unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
+        # Positions past a context (the unwritten tail of its last block) read the zeroed
+        # null block: masked scores still multiply V, and stale memory may hold NaNs.
+        return {
+            "decode_slots": torch.where(valid, slots[:, :max_context], 0).to(self.device),
+            "decode_mask": valid[:, None, None, :].to(self.device),
+        }
 
     @torch.inference_mode()
     def execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:

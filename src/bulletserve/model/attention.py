@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from bulletserve.model.cpu_kernels import DecodeAttentionKernel
+
 
 @dataclass
 class PrefillSpan:
@@ -34,13 +36,20 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V is written
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
-    # Decodes: cache slots of each sequence's context, padded with the null slot, and the
-    # matching validity mask.
-    decode_slots: torch.Tensor | None  # [batch, max_context]
-    decode_mask: torch.Tensor | None  # [batch, 1, 1, max_context]
+    # Decodes through PyTorch SDPA: cache slots of each sequence's context, padded with the
+    # null slot, and the matching validity mask.
+    decode_slots: torch.Tensor | None = None  # [batch, max_context]
+    decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_context]
+    # Decodes through our CPU kernel, which reads the blocks in place.
+    decode_kernel: DecodeAttentionKernel | None = None
+    decode_block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # int32 [batch]
+    block_size: int = 0
 
     @property
     def num_decodes(self) -> int:
+        if self.decode_context_lens is not None:
+            return self.decode_context_lens.shape[0]
         return 0 if self.decode_slots is None else self.decode_slots.shape[0]
 
 
@@ -76,7 +85,17 @@ def paged_attention(
                 qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True
             )
         out[rows] = o.squeeze(0).transpose(0, 1)
-    if meta.decode_slots is not None:
+    if meta.decode_kernel is not None and meta.decode_block_tables is not None:
+        out[meta.num_prefill_tokens :] = meta.decode_kernel(
+            q[meta.num_prefill_tokens :],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.block_size,
+            scale,
+        )
+    elif meta.decode_slots is not None:
         batch, max_context = meta.decode_slots.shape
         flat = meta.decode_slots.reshape(-1)
         kvh, dim = k_cache.shape[1], k_cache.shape[2]

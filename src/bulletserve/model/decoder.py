@@ -2,6 +2,9 @@
 
 Weights are stored fused (q/k/v in one projection, gate/up in another) so that each layer does
 two large GEMMs instead of five small ones. `load_hf_weights` takes Hugging Face tensor names.
+The residual stream is carried beside each layer's output (as in vLLM) so that the residual add
+and the next RMSNorm are one fused op; on the CPU, `use_fused_ops` turns our C kernels on for
+those, RoPE and SiLU * up, and every module keeps its PyTorch path for other devices.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +20,7 @@ from torch import nn
 
 from bulletserve.model.attention import AttentionMetadata, paged_attention
 from bulletserve.model.config import ModelConfig, RopeScaling
+from bulletserve.model.cpu_kernels import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +28,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dim() == 2 and x.is_contiguous():
+            return self.ops.add_rmsnorm(x, None, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual). x must be a fresh tensor the caller owns: the
+        fused path writes the sum into it."""
+        if self.ops is not None and x.is_contiguous() and residual.is_contiguous():
+            return self.ops.add_rmsnorm(x, residual, self.weight, self.eps), x
+        total = x + residual
+        return self.forward(total), total
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -52,23 +70,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
     return inv_freq
 
 
+@dataclass
+class StepRope:
+    """RoPE inputs of one step, shared by every layer."""
+
+    positions: torch.Tensor
+    # With fused ops: the fp32 tables [max_positions, D / 2]; else gathered [T, 1, D / 2].
+    cos: torch.Tensor
+    sin: torch.Tensor
+    ops: FusedOps | None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D]; the fused path rotates x in place (a fresh projection output)."""
+        if self.ops is None or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+            return apply_rope(x, self.cos, self.sin)
+        self.ops.rope_(x, self.positions, self.cos, self.sin)
+        return x
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, gathered once per step."""
+    """cos/sin tables for every position; a step gathers its rows once (or the fused kernel
+    reads them by position)."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        self.ops: FusedOps | None = None
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).float()
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        if self.ops is not None:
+            return StepRope(positions, self.cos, self.sin, self.ops)
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        return StepRope(positions, cos, sin, None)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,8 +131,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: StepRope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -106,8 +143,8 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = rope.apply(q)
+        k = rope.apply(k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, c.q_size))
 
@@ -118,9 +155,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -135,13 +176,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: StepRope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the
+        layer's output. Without a residual, x is the whole stream."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(normed, rope, kv_cache, meta)
+        normed, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderLM(nn.Module):
@@ -161,6 +209,12 @@ class DecoderLM(nn.Module):
         """Rebuild the cos/sin tables on `device` (after construction on the meta device)."""
         self.rotary = RotaryEmbedding(self.config, max_positions).to(device)
 
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run the element-wise chains through our fused CPU kernels (None: PyTorch ops)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+                module.ops = ops
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
@@ -179,11 +233,12 @@ class DecoderLM(nn.Module):
         start: int = 0,
         end: int | None = None,
     ) -> torch.Tensor:
-        cos, sin = self.rotary(positions, hidden.dtype)
+        rope = self.rotary(positions, hidden.dtype)
         end = self.config.num_layers if end is None else end
+        residual = None
         for index in range(start, end):
-            hidden = self.layers[index](hidden, cos, sin, kv_caches[index], meta)
-        return hidden
+            hidden, residual = self.layers[index](hidden, residual, rope, kv_caches[index], meta)
+        return hidden if residual is None else hidden + residual
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the selected token rows (the last token of each sampling sequence)."""

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bulletserve.model.config import ModelConfig
+from bulletserve.model.cpu_kernels import fused_ops
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.gguf_reader import read_gguf
 from bulletserve.model.presets import get_preset
@@ -68,6 +69,7 @@ def load_model(
             source.path if source.load_format == "safetensors" else _converted_gguf(source.path)
         )
         model.load_hf_weights(_safetensors_weights(folder))
+    model.use_fused_ops(fused_ops(dtype, device))
     return model.eval()
 
 

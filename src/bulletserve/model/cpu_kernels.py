@@ -1,0 +1,224 @@
+"""Our C kernels for the CPU, compiled on first use and called through ctypes.
+
+- `csrc/decode_attention.c`: decode attention reading the paged KV cache in place. PyTorch has
+  no paged attention for the CPU: its path gathers every sequence's keys and values into a
+  padded tensor each layer and runs the generic SDPA kernel.
+- `csrc/cpu_ops.c`: the element-wise chains of a layer fused (residual add + RMSNorm, RoPE in
+  place, SiLU * up), each one pass over the activations instead of five to ten PyTorch ops.
+
+They are compiled with the system C compiler for this machine (`-march=native`) and cached under
+the bulletserve cache folder; the attention kernel per head shape, so that its loops unroll.
+Where no compiler is found, the compile fails, or the case does not fit (a dtype other than
+bf16/fp32, head_dim not a multiple of 16, a non-CPU device), the getters return None, a warning
+says why, and the model runs its PyTorch path. `BULLET_CPU_KERNELS=0` forces the PyTorch path.
+The kernels release the GIL (ctypes does) and use as many OpenMP threads as
+`torch.get_num_threads()` gives the calling thread, so each lane keeps its own share of cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+LANES = 16
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_lock = threading.Lock()
+_libraries: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
+
+_ptr, _int, _long, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+
+def kernels_enabled(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in _SUFFIX and os.environ.get("BULLET_CPU_KERNELS") != "0"
+
+
+def _cpu_key() -> str:
+    """What `-march=native` depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(wanted)))
+
+
+def _compile(source: Path, defines: tuple[str, ...]) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    key = hashlib.sha256(
+        "|".join([source.read_text(), compiler, *_FLAGS, *defines, _cpu_key()]).encode()
+    ).hexdigest()[:16]
+    root = Path(os.environ.get("BULLET_CACHE_DIR") or platformdirs.user_cache_dir("bulletserve"))
+    library = root / "kernels" / f"{source.stem}-{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        built = Path(tmp) / library.name
+        command = [compiler, *_FLAGS, *defines, str(source), "-o", str(built), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+        os.replace(built, library)  # atomic: a concurrent process may have done the same
+    return library
+
+
+def _library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    key = (name, defines)
+    with _lock:
+        if key not in _libraries:
+            try:
+                _libraries[key] = ctypes.CDLL(str(_compile(CSRC / f"{name}.c", defines)))
+            except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+                log.warning("CPU kernels %s unavailable, using PyTorch ops: %s", name, exc)
+                _libraries[key] = None
+        return _libraries[key]
+
+
+def _function(library: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+    function = getattr(library, name)
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int if name.startswith("decode_attention") else None
+    return function
+
+
+@dataclass(frozen=True)
+class DecodeAttentionKernel:
+    """Decode attention for one (dtype, head_dim, group) shape."""
+
+    function: ctypes._CFuncPtr
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [B, H, D]; caches: [slots, KVH, D] with slot = block * block_size + offset;
+        block_tables: int32 [B, max_blocks]; context_lens: int32 [B]. Returns [B, H, D]."""
+        q = q.contiguous()
+        for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if tensor.dtype != q.dtype or not tensor.is_contiguous():
+                raise ValueError(f"{name} must be contiguous {q.dtype}, got {tensor.dtype}")
+        batch, num_heads, head_dim = q.shape
+        out = torch.empty_like(q)
+        failed = self.function(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            batch,
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"decode attention kernel failed (code {failed})")
+        return out
+
+
+def decode_attention_kernel(
+    dtype: torch.dtype, head_dim: int, group: int, device: torch.device
+) -> DecodeAttentionKernel | None:
+    """The compiled kernel for this shape, or None where it cannot be used."""
+    if not kernels_enabled(dtype, device) or head_dim % LANES:
+        return None
+    library = _library("decode_attention", (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"))
+    if library is None:
+        return None
+    argtypes = [_ptr] * 6 + [_int] * 6 + [_float, _int]
+    return DecodeAttentionKernel(_function(library, f"decode_attention_{_SUFFIX[dtype]}", argtypes))
+
+
+class FusedOps:
+    """Fused element-wise layer ops for one dtype; every tensor argument is on the CPU."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suffix = _SUFFIX[dtype]
+        self.dtype = dtype
+        self._add_rmsnorm = _function(
+            library, f"add_rmsnorm_{suffix}", [_ptr] * 4 + [_long, _long, _float, _int]
+        )
+        self._rope = _function(library, f"rope_{suffix}", [_ptr] * 4 + [_long] * 4 + [_int])
+        self._silu_mul = _function(library, f"silu_mul_{suffix}", [_ptr] * 2 + [_long] * 2 + [_int])
+
+    def add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """With a residual, x += residual in place; returns RMSNorm(x) * weight.
+        x (contiguous, [rows, dim]) must be a tensor the caller owns."""
+        out = torch.empty_like(x)
+        rows, dim = x.shape
+        self._add_rmsnorm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rope_(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Rotate-half RoPE in place. x: [T, heads, D] with unit head and element strides (a
+        column slice of a fused projection is fine); positions: int64 [T];
+        cos, sin: fp32 [max_positions, D / 2]."""
+        tokens, heads, head_dim = x.shape
+        self._rope(
+            x.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            tokens,
+            heads,
+            head_dim,
+            x.stride(0),
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: contiguous [rows, 2 * width]; returns silu(gate) * up, [rows, width]."""
+        rows, double_width = gate_up.shape
+        out = gate_up.new_empty((rows, double_width // 2))
+        self._silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), rows, double_width // 2, torch.get_num_threads()
+        )
+        return out
+
+
+def fused_ops(dtype: torch.dtype, device: torch.device) -> FusedOps | None:
+    """The fused element-wise ops for this dtype, or None where they cannot be used."""
+    if not kernels_enabled(dtype, device):
+        return None
+    library = _library("cpu_ops")
+    return None if library is None else FusedOps(library, dtype)

@@ -1,0 +1,89 @@
+/* Fused element-wise ops of a decoder layer on the CPU: residual add + RMSNorm, rotary
+ * embedding (in place), and SiLU(gate) * up. Each replaces a chain of small PyTorch ops, each of
+ * which would read and write the activations again and pay a dispatch. Math is in fp32; bf16
+ * values are rounded once, on store.
+ */
+#include <math.h>
+#include <stdint.h>
+
+/* Parallelize only when a call has enough work to pay for waking a thread team. */
+#define PARALLEL_MIN_ELEMENTS 32768
+
+static inline float bf16_load(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(v.u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+#define DEFINE_OPS(SUFFIX, T, LOAD, STORE)                                                        \
+    /* With a residual: x += residual (in place, rounded to T), then normalize x.                 \
+     * out = weight * normalized, rounded to T after each step as PyTorch would. */             \
+    void add_rmsnorm_##SUFFIX(T *x, const T *residual, const T *weight, T *out, long rows,        \
+                              long dim, float eps, int num_threads) {                             \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)") \
+        for (long r = 0; r < rows; ++r) {                                                         \
+            T *xr = x + r * dim;                                                                  \
+            T *o = out + r * dim;                                                                 \
+            if (residual != 0) {                                                                  \
+                const T *res = residual + r * dim;                                                \
+                for (long d = 0; d < dim; ++d) xr[d] = STORE(LOAD(xr[d]) + LOAD(res[d]));         \
+            }                                                                                     \
+            float sum = 0.0f;                                                                     \
+            for (long d = 0; d < dim; ++d) {                                                      \
+                const float v = LOAD(xr[d]);                                                      \
+                sum += v * v;                                                                     \
+            }                                                                                     \
+            const float inv = 1.0f / sqrtf(sum / (float)dim + eps);                               \
+            for (long d = 0; d < dim; ++d)                                                        \
+                o[d] = STORE(LOAD(weight[d]) * LOAD(STORE(LOAD(xr[d]) * inv)));                   \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* Rotate-half RoPE in place on x[t, head, :] (row stride x_stride, head stride head_dim),    \
+     * with fp32 tables cos/sin[position, head_dim / 2]. */                                       \
+    void rope_##SUFFIX(T *x, const int64_t *positions, const float *cos_table,                    \
+                       const float *sin_table, long tokens, long heads, long head_dim,            \
+                       long x_stride, int num_threads) {                                          \
+        const long half = head_dim / 2;                                                           \
+        _Pragma("omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMENTS)") \
+        for (long t = 0; t < tokens; ++t) {                                                       \
+            const float *c = cos_table + positions[t] * half;                                     \
+            const float *s = sin_table + positions[t] * half;                                     \
+            for (long h = 0; h < heads; ++h) {                                                    \
+                T *v = x + t * x_stride + h * head_dim;                                           \
+                for (long d = 0; d < half; ++d) {                                                 \
+                    const float a = LOAD(v[d]), b = LOAD(v[d + half]);                           \
+                    v[d] = STORE(a * c[d] - b * s[d]);                                            \
+                    v[d + half] = STORE(b * c[d] + a * s[d]);                                     \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* out[r, :] = silu(gate_up[r, :width]) * gate_up[r, width:]. */                              \
+    void silu_mul_##SUFFIX(const T *gate_up, T *out, long rows, long width, int num_threads) {    \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)") \
+        for (long r = 0; r < rows; ++r) {                                                         \
+            const T *g = gate_up + r * 2 * width;                                                 \
+            const T *u = g + width;                                                               \
+            T *o = out + r * width;                                                               \
+            for (long d = 0; d < width; ++d) {                                                    \
+                const float a = LOAD(g[d]);                                                       \
+                o[d] = STORE(a / (1.0f + expf(-a)) * LOAD(u[d]));                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+DEFINE_OPS(bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_OPS(f32, float, f32_load, f32_store)

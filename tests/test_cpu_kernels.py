@@ -1,0 +1,113 @@
+"""Our C kernels against plain PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bulletserve.model.cpu_kernels import decode_attention_kernel, fused_ops
+from bulletserve.model.decoder import apply_rope
+
+
+def reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[1]
+    for b, length in enumerate(lens.tolist()):
+        slots = torch.arange(length)
+        slots = tables[b, slots // block_size].long() * block_size + slots % block_size
+        keys = k_cache[slots].double().repeat_interleave(group, dim=1)  # [T, H, D]
+        values = v_cache[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[b].double(), keys) * scale
+        out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim", "tolerance"),
+    [
+        (torch.float32, 9, 3, 64, 1e-5),
+        (torch.float32, 4, 4, 16, 1e-5),
+        (torch.float32, 8, 1, 128, 1e-5),
+        (torch.bfloat16, 9, 3, 64, 2e-2),
+    ],
+)
+# Many sequences: one work item per sequence; one: one item per KV head.
+@pytest.mark.parametrize("lengths", [[1, 16, 17, 100, 250, 3], [250]])
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, tolerance, lengths):
+    kernel = decode_attention_kernel(dtype, head_dim, heads // kv_heads, torch.device("cpu"))
+    if kernel is None:
+        pytest.skip("no C compiler on this machine")
+    generator = torch.Generator().manual_seed(0)
+    block_size, num_blocks = 16, 40
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    max_blocks = -(-int(lens.max()) // block_size)
+    # Distinct, shuffled blocks per sequence; unused table entries point at block 0.
+    order = torch.randperm(num_blocks - 1, generator=generator) + 1
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, length in enumerate(lens.tolist()):
+        count = -(-length // block_size)
+        tables[b, :count] = order[used : used + count]
+        used += count
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    # Stale NaNs past every context must not leak into the output.
+    k_cache[0:block_size] = float("nan")
+    q = torch.randn(len(lens), heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+
+    out = kernel(q, k_cache, v_cache, tables, lens, block_size, scale)
+    expected = reference(q, k_cache, v_cache, tables, lens, block_size, scale)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_unusable_shapes_fall_back():
+    cpu = torch.device("cpu")
+    assert decode_attention_kernel(torch.float16, 64, 3, cpu) is None
+    assert decode_attention_kernel(torch.float32, 24, 3, cpu) is None
+    assert decode_attention_kernel(torch.float32, 64, 3, torch.device("meta")) is None
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_ops_match_pytorch(dtype, tolerance):
+    ops = fused_ops(dtype, torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no C compiler on this machine")
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    def close(ours, expected):
+        return torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+    rows, dim, eps = 37, 96, 1e-6
+    x, residual, weight = randn(rows, dim), randn(rows, dim), randn(dim)
+    total = x + residual
+    total32 = total.float()
+    normed = weight * (total32 * torch.rsqrt(total32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    out = ops.add_rmsnorm(x, residual, weight, eps)
+    assert close(x, total)  # the sum is left in x
+    assert close(out, normed)
+    assert close(ops.add_rmsnorm(total.clone(), None, weight, eps), normed)
+
+    heads, head_dim, max_positions = 3, 32, 300
+    qkv = randn(rows, 2 * heads * head_dim)  # rotate the first half's heads in place
+    positions = torch.randint(0, max_positions, (rows,), generator=generator)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), torch.rand(16))
+    cos_table, sin_table = angles.cos(), angles.sin()
+    view = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    expected = apply_rope(
+        view.float(), cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+    )
+    untouched = qkv[:, heads * head_dim :].clone()
+    ops.rope_(view, positions, cos_table, sin_table)
+    assert close(view, expected)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+    gate_up = randn(rows, 2 * dim)
+    gate, up = gate_up.float().split(dim, dim=-1)
+    assert close(ops.silu_mul(gate_up), F.silu(gate) * up)
