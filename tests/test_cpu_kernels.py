@@ -85,14 +85,19 @@ def test_fused_ops_match_pytorch(dtype, tolerance):
         return torch.allclose(ours.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
     rows, dim, eps = 37, 96, 1e-6
-    x, residual, weight = randn(rows, dim), randn(rows, dim), randn(dim)
-    total = x + residual
-    total32 = total.float()
-    normed = weight * (total32 * torch.rsqrt(total32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    out = ops.add_rmsnorm(x, residual, weight, eps)
-    assert close(x, total)  # the sum is left in x
-    assert close(out, normed)
-    assert close(ops.add_rmsnorm(total.clone(), None, weight, eps), normed)
+    x, residual, weight = randn(rows, dim), torch.randn(rows, dim, generator=generator), randn(dim)
+
+    def rmsnorm(values):
+        values = values.float()
+        return weight * (values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+    total = residual + x.float()
+    stream = residual.clone()
+    out = ops.add_rmsnorm(x, stream, weight, eps)
+    assert torch.allclose(stream, total, atol=1e-6)  # the fp32 stream, updated in place
+    assert close(out, rmsnorm(total))
+    assert close(ops.add_rmsnorm(None, total.clone(), weight, eps), rmsnorm(total))
+    assert close(ops.rmsnorm(x, weight, eps), rmsnorm(x))
 
     heads, head_dim, max_positions = 3, 32, 300
     qkv = randn(rows, 2 * heads * head_dim)  # rotate the first half's heads in place

@@ -22,6 +22,10 @@ from bulletserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# How long the engine thread waits, after handing a step's outputs to an event loop, for the
+# loop to have written them out before it computes the next step.
+HANDOFF_WAIT_S = 0.05
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread hit a fault; the request cannot complete."""
@@ -35,14 +39,35 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
-        self.engine = engine or create_engine(config)
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="bullet-engine", daemon=True)
+        self._startup_error: BaseException | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(config, engine, ready), name="bullet-engine", daemon=True
+        )
         self._thread.start()
+        ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def _run(self, config: EngineConfig, engine: LLMEngine | None, ready: threading.Event) -> None:
+        # The engine is built (weights loaded, hardware measured) on the thread that will run
+        # it, so that only this thread ever leads an OpenMP team. GNU OpenMP cuts its workers'
+        # spin-wait to ~100 iterations once it manages more threads than there are cores (a
+        # second team on the event loop's thread would do that), and every parallel op then
+        # pays a futex wake-up: measured +10-15 us per op on the 2-core CPU.
+        try:
+            self.engine = engine or create_engine(config)
+        except BaseException as exc:
+            self._startup_error = exc
+            return
+        finally:
+            ready.set()
+        self._loop()
 
     @property
     def healthy(self) -> bool:
@@ -111,15 +136,28 @@ class AsyncEngine:
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand a step's outputs to their streams with one wake-up per event loop (not one per
-        request): the loop thread competes with the compute threads for the cores."""
+        request), then wait (bounded) until the loop has passed them on.
+
+        The loop thread competes with the compute threads for the cores: if it formats and
+        writes a step's tokens while the next step computes, it preempts one thread of the
+        compute team, and the whole team waits for that thread at every barrier. Waiting here
+        keeps the two apart."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         with self._streams_lock:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
                 if stream is not None:
                     batches.setdefault(stream.loop, []).append((stream.queue, item))
+        handled = []
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            done = threading.Event()
+            try:
+                loop.call_soon_threadsafe(_put_all, batch, done)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                continue
+            handled.append(done)
+        for done in handled:
+            done.wait(HANDOFF_WAIT_S)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._streams_lock:
@@ -127,6 +165,9 @@ class AsyncEngine:
         self._deliver([(request_id, error) for request_id in request_ids])
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, object]], done: threading.Event) -> None:
     for queue, item in batch:
         queue.put_nowait(item)
+    # The ready queue is FIFO: `done` is set after every task these puts woke has run up to
+    # its next wait, i.e. has written its chunk to the socket.
+    asyncio.get_running_loop().call_soon(done.set)

@@ -168,15 +168,33 @@ class FusedOps:
         self._rope = _function(library, f"rope_{suffix}", [_ptr] * 4 + [_long] * 4 + [_int])
         self._silu_mul = _function(library, f"silu_mul_{suffix}", [_ptr] * 2 + [_long] * 2 + [_int])
 
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm(x) * weight for a contiguous [rows, dim] x."""
+        return self._call_add_rmsnorm(x, None, weight, eps, x.shape)
+
     def add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
     ) -> torch.Tensor:
-        """With a residual, x += residual in place; returns RMSNorm(x) * weight.
-        x (contiguous, [rows, dim]) must be a tensor the caller owns."""
-        out = torch.empty_like(x)
-        rows, dim = x.shape
+        """residual += x in place (fp32 [rows, dim]; x: None or contiguous, of this dtype);
+        returns RMSNorm(residual) * weight in this dtype."""
+        return self._call_add_rmsnorm(x, residual, weight, eps, residual.shape)
+
+    def _call_add_rmsnorm(
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        shape: torch.Size,
+    ) -> torch.Tensor:
+        rows, dim = shape
+        out = torch.empty(shape, dtype=self.dtype)
         self._add_rmsnorm(
-            x.data_ptr(),
+            None if x is None else x.data_ptr(),
             None if residual is None else residual.data_ptr(),
             weight.data_ptr(),
             out.data_ptr(),

@@ -4,7 +4,8 @@ Weights are stored fused (q/k/v in one projection, gate/up in another) so that e
 two large GEMMs instead of five small ones. `load_hf_weights` takes Hugging Face tensor names.
 The residual stream is carried beside each layer's output (as in vLLM) so that the residual add
 and the next RMSNorm are one fused op; on the CPU, `use_fused_ops` turns our C kernels on for
-those, RoPE and SiLU * up, and every module keeps its PyTorch path for other devices.
+those (keeping the stream in fp32), RoPE and SiLU * up, and every module keeps its PyTorch path
+for other devices.
 """
 
 from __future__ import annotations
@@ -32,21 +33,28 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and x.dim() == 2 and x.is_contiguous():
-            return self.ops.add_rmsnorm(x, None, self.weight, self.eps)
+            return self.ops.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def start(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x), the residual stream starting at x). With fused ops the stream is kept
+        in fp32 (a copy), so that bf16 rounding does not accumulate across layers."""
+        if self.ops is not None and x.is_contiguous():
+            residual = x.float()
+            return self.ops.add_rmsnorm(None, residual, self.weight, self.eps), residual
+        return self.forward(x), x
+
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(x + residual), x + residual). x must be a fresh tensor the caller owns: the
-        fused path writes the sum into it."""
-        if self.ops is not None and x.is_contiguous() and residual.is_contiguous():
-            return self.ops.add_rmsnorm(x, residual, self.weight, self.eps), x
-        total = x + residual
-        return self.forward(total), total
+        """(RMSNorm(residual + x), residual + x); a stream from `start` is updated in place."""
+        if self.ops is not None and residual.dtype == torch.float32 and x.is_contiguous():
+            return self.ops.add_rmsnorm(x, residual, self.weight, self.eps), residual
+        total = residual + x
+        return self.forward(total.to(x.dtype)), total
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -184,7 +192,7 @@ class DecoderLayer(nn.Module):
         """Returns (this layer's MLP output, the residual stream before it); their sum is the
         layer's output. Without a residual, x is the whole stream."""
         if residual is None:
-            residual, normed = x, self.input_layernorm(x)
+            normed, residual = self.input_layernorm.start(x)
         else:
             normed, residual = self.input_layernorm.add_forward(x, residual)
         x = self.self_attn(normed, rope, kv_cache, meta)
@@ -238,7 +246,7 @@ class DecoderLM(nn.Module):
         residual = None
         for index in range(start, end):
             hidden, residual = self.layers[index](hidden, residual, rope, kv_caches[index], meta)
-        return hidden if residual is None else hidden + residual
+        return hidden if residual is None else (residual + hidden).to(hidden.dtype)
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the selected token rows (the last token of each sampling sequence)."""

@@ -27,26 +27,29 @@ static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
 #define DEFINE_OPS(SUFFIX, T, LOAD, STORE)                                                        \
-    /* With a residual: x += residual (in place, rounded to T), then normalize x.                 \
-     * out = weight * normalized, rounded to T after each step as PyTorch would. */             \
-    void add_rmsnorm_##SUFFIX(T *x, const T *residual, const T *weight, T *out, long rows,        \
+    /* RMSNorm of rows of x (residual == 0), or of the fp32 residual stream after adding x     \
+     * to it in place (x == 0: nothing to add). The stream stays in fp32 across layers, so     \
+     * bf16 rounding does not accumulate over them. out = weight * normalized, rounded to T     \
+     * after each step as PyTorch would. */                                                     \
+    void add_rmsnorm_##SUFFIX(const T *x, float *residual, const T *weight, T *out, long rows,    \
                               long dim, float eps, int num_threads) {                             \
         _Pragma("omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)") \
         for (long r = 0; r < rows; ++r) {                                                         \
-            T *xr = x + r * dim;                                                                  \
-            T *o = out + r * dim;                                                                 \
+            float row[dim];                                                                       \
             if (residual != 0) {                                                                  \
-                const T *res = residual + r * dim;                                                \
-                for (long d = 0; d < dim; ++d) xr[d] = STORE(LOAD(xr[d]) + LOAD(res[d]));         \
+                float *res = residual + r * dim;                                                  \
+                if (x != 0)                                                                       \
+                    for (long d = 0; d < dim; ++d) res[d] += LOAD(x[r * dim + d]);                \
+                for (long d = 0; d < dim; ++d) row[d] = res[d];                                   \
+            } else {                                                                              \
+                for (long d = 0; d < dim; ++d) row[d] = LOAD(x[r * dim + d]);                     \
             }                                                                                     \
             float sum = 0.0f;                                                                     \
-            for (long d = 0; d < dim; ++d) {                                                      \
-                const float v = LOAD(xr[d]);                                                      \
-                sum += v * v;                                                                     \
-            }                                                                                     \
+            for (long d = 0; d < dim; ++d) sum += row[d] * row[d];                                \
             const float inv = 1.0f / sqrtf(sum / (float)dim + eps);                               \
+            T *o = out + r * dim;                                                                 \
             for (long d = 0; d < dim; ++d)                                                        \
-                o[d] = STORE(LOAD(weight[d]) * LOAD(STORE(LOAD(xr[d]) * inv)));                   \
+                o[d] = STORE(LOAD(weight[d]) * LOAD(STORE(row[d] * inv)));                        \
         }                                                                                         \
     }                                                                                             \
                                                                                                   \
