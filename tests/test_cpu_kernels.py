@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,3 +121,22 @@ def test_fused_ops_match_pytorch(dtype, tolerance):
     gate_up = randn(rows, 2 * dim)
     gate, up = gate_up.float().split(dim, dim=-1)
     assert close(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_openmp_wait_policy_is_set_before_torch_loads_and_never_overrides_the_user():
+    script = "import os, bulletserve, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == "active", run.stderr
+    env["OMP_WAIT_POLICY"] = "passive"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.stdout.strip() == "passive", run.stderr
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    # A -ffast-math link would switch the process to flush-to-zero when the library loads.
+    fused_ops(torch.float32, torch.device("cpu"))
+    decode_attention_kernel(torch.float32, 64, 3, torch.device("cpu"))
+    tiny = torch.tensor(1e-40, dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
+    assert float(np.float32(1e-40) * np.float32(1.0)) != 0.0

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 LANES = 16
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _lock = threading.Lock()
 _libraries: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
@@ -71,10 +71,18 @@ def _compile(source: Path, defines: tuple[str, ...]) -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         built = Path(tmp) / library.name
-        command = [compiler, *_FLAGS, *defines, str(source), "-o", str(built), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
+        obj = Path(tmp) / f"{source.stem}.o"
+        # Compiled with -ffast-math (vector expf, reassociated sums) but linked without it:
+        # GCC links -ffast-math shared objects with crtfastmath.o, whose constructor turns on
+        # flush-to-zero for the whole process, changing every later float computation.
+        steps = [
+            [compiler, *_FLAGS, *defines, "-c", str(source), "-o", str(obj)],
+            [compiler, "-shared", "-fopenmp", str(obj), "-o", str(built), "-lm"],
+        ]
+        for command in steps:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:2000]}")
         os.replace(built, library)  # atomic: a concurrent process may have done the same
     return library
 
