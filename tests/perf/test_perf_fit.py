@@ -8,7 +8,7 @@ import pytest
 
 from bulletserve.model.presets import PRESETS
 from bulletserve.perf.fit import StepSample, calibrate, saturation_units
-from bulletserve.perf.hardware import HardwareProfile, UnitPoint
+from bulletserve.perf.hardware import HardwareProfile, ProfileError, UnitPoint
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.state import ExecutionState
 
@@ -35,7 +35,14 @@ def test_calibrated_model_reproduces_its_samples():
     )
     samples += [StepSample(both, "prefill", True, 2.0), StepSample(both, "decode", True, 0.09)]
     hw = calibrate(CFG, HW, "bfloat16", samples, ((2.0, 1e10),))
-    assert set(hw.calibration.alpha) == {"prefill", "decode", "prefill_corun", "decode_corun"}
+    assert set(hw.calibration.alpha) == {
+        "prefill",
+        "decode",
+        "prefill_corun",
+        "decode_corun",
+        "decode@300",
+        "decode_corun@300",
+    }
     model = PerfModel(CFG, hw)
     for s in samples:
         es = (
@@ -48,3 +55,27 @@ def test_calibrated_model_reproduces_its_samples():
         got = model.predict(es)
         assert getattr(got, f"{s.phase}_s") == pytest.approx(s.measured_s, rel=1e-9)
     assert HardwareProfile.from_dict(hw.to_dict()) == hw
+
+
+def test_decode_alpha_follows_the_context_as_well_as_the_batch():
+    """Same batches at two contexts with different costs: the per-context tables reproduce
+    both (one table averaged over contexts could not), and a context between them lands
+    between the two."""
+    samples = []
+    for ctx, per_seq in ((128, 0.001), (1024, 0.004)):
+        for b in (1, 16):
+            es = ExecutionState(decode_ctx=(ctx,) * b, decode_units=2)
+            samples.append(StepSample(es, "decode", False, per_seq * b + 0.01))
+    model = PerfModel(CFG, calibrate(CFG, HW, "bfloat16", samples, ((2.0, 1e10),)))
+    for s in samples:
+        assert model.predict(s.es).decode_s == pytest.approx(s.measured_s, rel=1e-9)
+    middle = model.predict(ExecutionState(decode_ctx=(400,) * 16, decode_units=2)).decode_s
+    low, high = (s.measured_s for s in samples if s.es.decode_batch == 16)
+    assert low < middle < high
+
+
+def test_context_tables_only_for_decode_phases():
+    raw = HW.to_dict()
+    raw["calibration"]["alpha"] = {"prefill@128": {"1": [[1, 1.0]]}}
+    with pytest.raises(ProfileError, match="calibration.alpha.prefill@128"):
+        HardwareProfile.from_dict(raw)

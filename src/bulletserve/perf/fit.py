@@ -47,7 +47,8 @@ def fit_alpha(
     cfg: ModelConfig, hw: HardwareProfile, dtype: str, samples: list[StepSample]
 ) -> dict[str, dict[int, Points]]:
     """alpha = (measured - overhead) / T' per sample, averaged over samples that share
-    (phase, co-running, units, rows): alpha[phase or phase_corun][units] = (rows, alpha)."""
+    (phase, co-running, units, rows): alpha[phase or phase_corun][units] = (rows, alpha).
+    Decode samples also go, unaveraged over contexts, into `decode@<context>` tables."""
     model = PerfModel(cfg, hw, dtype)
     groups: dict[tuple[str, int, float], list[float]] = defaultdict(list)
     for s in samples:
@@ -55,6 +56,9 @@ def fit_alpha(
         alpha = max(s.measured_s - hw.step_overhead_s, 0.0) / t
         key = f"{s.phase}_corun" if s.corun else s.phase
         groups[(key, s.units, s.rows)].append(alpha)
+        if s.phase == "decode":
+            context = round(statistics.fmean(s.es.decode_ctx))
+            groups[(f"{key}@{context}", s.units, s.rows)].append(alpha)
     table: dict[str, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for (key, units, rows), alphas in sorted(groups.items()):
         table[key][units].append((rows, statistics.fmean(alphas)))

@@ -4,7 +4,9 @@ A profile is either a datasheet preset (`"measured": false`) or the output of
 `bullet profile` (`"measured": true`). Calibration tables map a phase to its alpha points:
 `{"prefill": {"<units>": [[tokens, alpha], ...]}, ...}` where tokens are the phase's rows (prefill
 tokens or decode batch size). Phases `prefill_corun` and `decode_corun` hold the points
-measured with the other lane running at the same time.
+measured with the other lane running at the same time. Decode phases may also carry one table
+per measured context length, keyed `decode@<context>` (and `decode_corun@<context>`): a decode
+step's cost depends on its context as well as its batch.
 """
 
 from __future__ import annotations
@@ -218,8 +220,13 @@ def _calibration(raw: dict[str, Any]) -> Calibration:
     alpha: dict[str, dict[int, Points]] = {}
     for phase, table in _Fields(raw.get("alpha", {}), "calibration.alpha").raw.items():
         path = f"calibration.alpha.{phase}"
-        if phase not in PHASES:
+        base, _, context = phase.partition("@")
+        if base not in PHASES:
             raise ProfileError(f"field '{path}': unknown phase; expected one of {PHASES}")
+        if context and (not base.startswith("decode") or not context.isdigit()):
+            raise ProfileError(
+                f"field '{path}': only decode phases take '@<context>', a positive int"
+            )
         rows = _Fields(table, path).raw
         parsed: dict[int, Points] = {}
         for units, pts in rows.items():

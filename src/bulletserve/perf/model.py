@@ -15,6 +15,7 @@ step co-running with a prefill sees the profile's contention-adjusted bandwidth.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from bulletserve.model.config import ModelConfig
@@ -98,6 +99,16 @@ class PerfModel:
             self._ops[t.scope].append((t.flops, t.bytes, t.fixed_bytes, t.gemm_n, t.gemm_rows))
         cal = hw.calibration
         self._alpha = {p: AlphaSurface.from_table(t) for p, t in cal.alpha.items() if t}
+        # Decode phase -> (log contexts, surfaces) from the `decode@<context>` tables.
+        by_context: dict[str, list[tuple[float, AlphaSurface]]] = {}
+        for key, surface in self._alpha.items():
+            base, _, context = key.partition("@")
+            if context:
+                by_context.setdefault(base, []).append((math.log(int(context)), surface))
+        self._alpha_by_context = {}
+        for base, pts in by_context.items():
+            pts.sort(key=lambda item: item[0])
+            self._alpha_by_context[base] = (tuple(x for x, _ in pts), tuple(s for _, s in pts))
         self._corun_bw = (
             Curve.from_points(cal.decode_bandwidth_corun, log_x=False)
             if cal.decode_bandwidth_corun
@@ -173,11 +184,26 @@ class PerfModel:
         return self._alpha_at(es, phase, phase_counts(es, phase)[TOKENS], corun)
 
     def _alpha_at(self, es: ExecutionState, phase: str, rows: float, corun: bool) -> float:
-        surface = self._alpha.get(f"{phase}_corun") if corun else None
-        surface = surface or self._alpha.get(phase)
+        key = f"{phase}_corun" if corun and f"{phase}_corun" in self._alpha else phase
+        surface = self._alpha.get(key)
         if surface is None:
             return 1.0
-        return surface(es.prefill_units if phase == "prefill" else es.decode_units, rows)
+        units = es.prefill_units if phase == "prefill" else es.decode_units
+        if phase == "decode" and key in self._alpha_by_context:
+            return self._decode_alpha(key, units, rows, es.decode_ctx)
+        return surface(units, rows)
+
+    def _decode_alpha(self, key: str, units: int, rows: float, contexts: tuple[int, ...]) -> float:
+        """alpha between the two measured contexts nearest the mean (log-linear), clamped."""
+        xs, surfaces = self._alpha_by_context[key]
+        x = math.log(max(sum(contexts) / len(contexts), 1.0))
+        if x <= xs[0]:
+            return surfaces[0](units, rows)
+        if x >= xs[-1]:
+            return surfaces[-1](units, rows)
+        j = bisect_right(xs, x)
+        lo, hi = surfaces[j - 1](units, rows), surfaces[j](units, rows)
+        return lo + (hi - lo) * (x - xs[j - 1]) / (xs[j] - xs[j - 1])
 
     def _phase_time(self, es: ExecutionState, phase: str, corun: bool) -> float:
         counts = phase_counts(es, phase)

@@ -1,0 +1,74 @@
+"""What our C kernels buy: one engine, step latencies with the kernels switched in and out.
+
+Three settings, alternated in one process so that the machine's drift hits them alike:
+`pytorch` (PyTorch ops only), `attention` (our decode-attention kernel, the rest PyTorch) and
+`all` (decode attention plus the fused residual-add + RMSNorm, RoPE and SiLU * up). Two steps:
+a decode step of 64 sequences at context 320 (their blocks interleaved in the pool, as a
+running batch leaves them) and a prefill of 8 prompts of 256 tokens. Medians over the repeats.
+
+    .venv/bin/python scripts/bench_cpu_kernels.py --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.runner import SeqWork
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_model_len=1024))
+    ops, kernel = engine.model.norm.ops, engine.runner.decode_kernel
+    if ops is None or kernel is None:
+        raise SystemExit("our CPU kernels could not be built here (see the warning above)")
+
+    def use(setting: str) -> None:
+        engine.model.use_fused_ops(ops if setting == "all" else None)
+        engine.runner.decode_kernel = kernel if setting in ("attention", "all") else None
+
+    allocate = engine.pool.allocator.allocate
+    batch, context, block = 64, 320, engine.pool.block_size
+    tables: list[list[int]] = [[] for _ in range(batch)]
+    for _ in range(-(-(context + 1) // block)):  # one block per sequence in turn
+        for table in tables:
+            table.extend(allocate(1))
+    steps = {
+        "decode 64 x ctx 320": [SeqWork([100 + i], context, t, True) for i, t in enumerate(tables)],
+        "prefill 8 x 256": [
+            SeqWork(list(range(1000 + i, 1256 + i)), 0, allocate(256 // block), True)
+            for i in range(8)
+        ],
+    }
+    times: dict[tuple[str, str], list[float]] = {}
+    settings = ("pytorch", "attention", "all")
+    for _ in range(args.repeats):
+        for setting in settings:
+            use(setting)
+            for name, works in steps.items():
+                engine.runner.execute(works)  # warm
+                start = time.perf_counter()
+                engine.runner.execute(works)
+                times.setdefault((name, setting), []).append(time.perf_counter() - start)
+    result = {}
+    for name in steps:
+        base = statistics.median(times[(name, "pytorch")])
+        row = {s: statistics.median(times[(name, s)]) * 1e3 for s in settings}
+        row["speedup_all"] = base * 1e3 / row["all"]
+        result[name] = row
+        cells = ", ".join(f"{s} {row[s]:.1f} ms" for s in settings)
+        print(f"{name}: {cells}; all / pytorch = {row['speedup_all']:.2f}x")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
