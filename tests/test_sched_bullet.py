@@ -186,6 +186,23 @@ def test_decode_gets_fewest_units_that_keep_tpot():
         assert policy.perf.predict(es).decode_s > 0.15 * 0.8
 
 
+def test_cpu_prefill_takes_the_device_while_tpot_holds():
+    """Co-running is zero-sum on a CPU: a prefill that decode can wait out gets every thread,
+    at risk or not; on a GPU the same (not at risk) prefill shares the device."""
+    decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
+    waiting = (SeqView("w", 99.99, 64, 0, 0),)  # just arrived: far from its TTFT deadline
+
+    def snap(total: int) -> BulletSnapshot:
+        half = Split(total // 2, total // 2)
+        stats = LatencyStats(1e-3, 0.05)
+        return BulletSnapshot(100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, half)
+
+    cpu, gpu = POLICIES["cpu"], POLICIES["h100"]
+    assert not cpu.at_risk(waiting[0], 100.0)
+    assert cpu.plan_prefill(snap(2)).split == Split(2, 0)
+    assert gpu.plan_prefill(snap(132)).split.decode > 0
+
+
 def test_static_and_none_partitions():
     static = make_policy(CPU, partition="static", static=Split(1, 1))
     none = make_policy(CPU, partition="none")

@@ -260,8 +260,13 @@ class BulletPolicy:
             stats.p90_ttft_per_token_s is None or stats.p90_ttft_per_token_s <= slo.ttft_per_token_s
         )
         at_risk = any(self.at_risk(s, snap.now) for s in prefill_batch)
-        if at_risk and tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
-            return Split(total, 0)  # a burst: prefill takes the device while TPOT still holds
+        # A burst: prefill takes the device while TPOT still holds. On a GPU the lanes gain from
+        # running together, so only an at-risk prefill pauses decode; on a CPU co-running is
+        # zero-sum (each lane runs at its share of the cores), so a full-speed prefill costs
+        # decode nothing it would not lose anyway, and halves the prompt's TTFT.
+        zero_sum = self.perf.hw.kind == "cpu"
+        if (at_risk or zero_sum) and tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
+            return Split(total, 0)
         if not ttft_ok and not tpot_ok:
             decode_units = self._round_down(total // 2) or self.units.counts()[0]
         elif tpot_ok:
