@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
@@ -12,13 +12,24 @@ TOKENIZER = load_tokenizer(None)
 
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=40))
+@example("\ufffd")  # found by CI: a genuine replacement character
 def test_streamed_deltas_join_to_the_full_text_and_are_never_broken(text):
     ids = TOKENIZER.encode(text, add_special_tokens=False)
     assume(TOKENIZER.decode(ids) == text)  # characters outside the vocabulary's bytes do not
     detok = IncrementalDetokenizer(TOKENIZER, [1, 2, 3])
     deltas = [detok.add(token) for token in ids]
+    deltas.append(detok.flush())  # the request finished: nothing may stay held back
     assert "".join(deltas) == text
-    assert not any("\ufffd" in d for d in deltas)
+    if "\ufffd" not in text:  # a genuine U+FFFD in the text is held until the end
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_genuine_replacement_character_is_flushed_at_the_end():
+    ids = TOKENIZER.encode("ok \ufffd", add_special_tokens=False)
+    detok = IncrementalDetokenizer(TOKENIZER, [])
+    held = "".join(detok.add(token) for token in ids)
+    assert held + detok.flush() == "ok \ufffd"
+    assert detok.text == "ok \ufffd"
 
 
 def test_multibyte_characters_are_held_until_complete():

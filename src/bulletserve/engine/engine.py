@@ -269,6 +269,8 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
             self._detokenizers[request.request_id] = detok
         if token in request.stop_ids and len(request.output_token_ids) > params.min_tokens:
+            detok.flush()
+            request.text = detok.text
             self._finish(request, "stop")
             return
         delta = detok.add(token)
@@ -283,6 +285,7 @@ class LLMEngine:
             len(request.output_token_ids) >= params.max_tokens
             or request.num_tokens >= self.max_model_len
         ):
+            request.text += detok.flush()
             self._finish(request, "length")
 
     def _finish(

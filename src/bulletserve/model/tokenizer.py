@@ -80,14 +80,26 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         self._ids.append(token_id)
+        prefix, full = self._window()
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        return self._advance(full[len(prefix) :])
+
+    def flush(self) -> str:
+        """The text held back so far, as the tokens decode (the request has finished): a
+        genuine U+FFFD at the end, or an incomplete character cut off by the last token."""
+        prefix, full = self._window()
+        return self._advance(full[len(prefix) :]) if len(full) > len(prefix) else ""
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text before the unread tokens, and with them."""
         decode = self._tokenizer.decode
         prefix = decode(
             self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
         )
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        delta = full[len(prefix) :]
+        return prefix, decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+
+    def _advance(self, delta: str) -> str:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self.text += delta
