@@ -285,7 +285,8 @@ class LLMEngine:
             len(request.output_token_ids) >= params.max_tokens
             or request.num_tokens >= self.max_model_len
         ):
-            request.text += detok.flush()
+            detok.flush()
+            request.text = detok.text
             self._finish(request, "length")
 
     def _finish(

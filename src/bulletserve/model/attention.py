@@ -46,12 +46,6 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # int32 [batch]
     block_size: int = 0
 
-    @property
-    def num_decodes(self) -> int:
-        if self.decode_context_lens is not None:
-            return self.decode_context_lens.shape[0]
-        return 0 if self.decode_slots is None else self.decode_slots.shape[0]
-
 
 def paged_attention(
     q: torch.Tensor,

@@ -99,10 +99,12 @@ def _library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return _libraries[key]
 
 
-def _function(library: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+def _function(
+    library: ctypes.CDLL, name: str, argtypes: list, restype: type | None = None
+) -> ctypes._CFuncPtr:
     function = getattr(library, name)
     function.argtypes = argtypes
-    function.restype = ctypes.c_int if name.startswith("decode_attention") else None
+    function.restype = restype
     return function
 
 
@@ -161,7 +163,8 @@ def decode_attention_kernel(
     if library is None:
         return None
     argtypes = [_ptr] * 6 + [_int] * 6 + [_float, _int]
-    return DecodeAttentionKernel(_function(library, f"decode_attention_{_SUFFIX[dtype]}", argtypes))
+    name = f"decode_attention_{_SUFFIX[dtype]}"
+    return DecodeAttentionKernel(_function(library, name, argtypes, ctypes.c_int))
 
 
 class FusedOps:

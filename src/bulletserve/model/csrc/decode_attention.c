@@ -69,6 +69,17 @@ INLINE void prefetch_block(const char *block, long bytes) {
     for (long c = 0; c < bytes; c += CACHE_LINE) __builtin_prefetch(block + c);
 }
 
+/* Element offset in `cache` of the block holding token t0, after prefetching the block that
+ * holds the next block_size tokens, if the context reaches it. */
+INLINE long block_at(const void *cache, const int32_t *table, int t0, int len, int block_size,
+                     long slot_len, long elem) {
+    const int j = t0 / block_size;
+    const long block_bytes = (long)block_size * slot_len * elem;
+    if (t0 + block_size < len)
+        prefetch_block((const char *)cache + (long)table[j + 1] * block_bytes, block_bytes);
+    return (long)table[j] * block_size * slot_len;
+}
+
 /* Attention of sequence b's query heads for KV heads [kv_begin, kv_end). Returns 0, or 1 when
  * out of memory. */
 INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
@@ -91,12 +102,8 @@ INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
     for (long i = 0; i < (long)heads * HEAD_DIM; ++i) qf[i] = load(q, q_offset + i, bf16) * scale;
 
     for (int t0 = 0; t0 < len; t0 += block_size) {
-        const long block = (long)table[t0 / block_size] * block_size * slot_len;
+        const long block = block_at(k_cache, table, t0, len, block_size, slot_len, elem);
         const int n = len - t0 < block_size ? len - t0 : block_size;
-        if (t0 + block_size < len)
-            prefetch_block((const char *)k_cache + (long)table[t0 / block_size + 1] * block_size
-                                                       * slot_len * elem,
-                           (long)block_size * slot_len * elem);
         for (int o = 0; o < n; ++o) {
             const long slot = block + o * slot_len + row_begin;
             for (long d = 0; d < row_len; ++d) row[d] = load(k_cache, slot + d, bf16);
@@ -118,12 +125,8 @@ INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
     }
     memset(acc, 0, sizeof(float) * (size_t)heads * HEAD_DIM);
     for (int t0 = 0; t0 < len; t0 += block_size) {
-        const long block = (long)table[t0 / block_size] * block_size * slot_len;
+        const long block = block_at(v_cache, table, t0, len, block_size, slot_len, elem);
         const int n = len - t0 < block_size ? len - t0 : block_size;
-        if (t0 + block_size < len)
-            prefetch_block((const char *)v_cache + (long)table[t0 / block_size + 1] * block_size
-                                                       * slot_len * elem,
-                           (long)block_size * slot_len * elem);
         for (int o = 0; o < n; ++o) {
             const long slot = block + o * slot_len + row_begin;
             for (long d = 0; d < row_len; ++d) row[d] = load(v_cache, slot + d, bf16);
