@@ -79,3 +79,48 @@ def test_context_tables_only_for_decode_phases():
     raw["calibration"]["alpha"] = {"prefill@128": {"1": [[1, 1.0]]}}
     with pytest.raises(ProfileError, match="calibration.alpha.prefill@128"):
         HardwareProfile.from_dict(raw)
+
+
+def test_corun_alpha_follows_the_other_lanes_load():
+    """Co-running measured as a cross (own size varied at one load of the other lane, that load
+    varied at one own size): every cross point is reproduced, and off the cross the other
+    lane's load still moves the prediction the way it was measured to."""
+
+    def prefill_s(n: int, batch: int) -> float:
+        return 0.0004 * n * (1 + 0.02 * batch)
+
+    def decode_s(batch: int, n: int) -> float:
+        return (0.02 + 0.001 * batch) * (1 + n / 2048)
+
+    samples = []
+    cross = [(256, 16), (1024, 16), (4096, 16), (1024, 1), (1024, 64)]
+    for n, b in cross:
+        es = ExecutionState(
+            prefill_lens=(n,), prefill_units=2, decode_ctx=(300,) * b, decode_units=2
+        )
+        samples += [
+            StepSample(es, "prefill", True, prefill_s(n, b)),
+            StepSample(es, "decode", True, decode_s(b, n)),
+        ]
+    hw = calibrate(CFG, HW, "bfloat16", samples, ((2.0, 1e10),))
+    assert set(hw.calibration.corun_load) == {"prefill", "decode"}
+    assert HardwareProfile.from_dict(hw.to_dict()) == hw
+    model = PerfModel(CFG, hw)
+    for s in samples:
+        assert getattr(model.predict(s.es), f"{s.phase}_s") == pytest.approx(s.measured_s)
+
+    def predict(n: int, b: int):
+        es = ExecutionState(
+            prefill_lens=(n,), prefill_units=2, decode_ctx=(300,) * b, decode_units=2
+        )
+        return model.predict(es)
+
+    assert predict(256, 1).prefill_s < predict(256, 16).prefill_s < predict(256, 64).prefill_s
+    assert predict(256, 64).decode_s < predict(4096, 64).decode_s
+
+
+def test_corun_load_only_for_the_two_phases():
+    raw = HW.to_dict()
+    raw["calibration"]["corun_load"] = {"prefill_corun": {"1": [[1, 1.0]]}}
+    with pytest.raises(ProfileError, match="calibration.corun_load.prefill_corun"):
+        HardwareProfile.from_dict(raw)

@@ -6,7 +6,9 @@ A profile is either a datasheet preset (`"measured": false`) or the output of
 tokens or decode batch size). Phases `prefill_corun` and `decode_corun` hold the points
 measured with the other lane running at the same time. Decode phases may also carry one table
 per measured context length, keyed `decode@<context>` (and `decode_corun@<context>`): a decode
-step's cost depends on its context as well as its batch.
+step's cost depends on its context as well as its batch. A co-running phase's alpha is measured
+at one load of the other lane; `corun_load` scales it by the other lane's load:
+`{"prefill": {"<units>": [[other lane's rows, factor], ...]}, "decode": {...}}`.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ class UnitPoint:
 
 @dataclass(frozen=True)
 class Calibration:
-    """alpha[phase][units] = sorted (tokens, alpha) points; contention-adjusted decode
+    """alpha[phase][units] = sorted (tokens, alpha) points; corun_load[phase][units] = sorted
+    (other lane's rows, factor on the co-running alpha) points; contention-adjusted decode
     bandwidth as (decode units, bytes/s) points; the unit sweep the profile was built from."""
 
     alpha: dict[str, dict[int, Points]] = field(default_factory=dict)
+    corun_load: dict[str, dict[int, Points]] = field(default_factory=dict)
     decode_bandwidth_corun: Points = ()
     unit_sweep: tuple[UnitPoint, ...] = ()
 
@@ -82,6 +86,10 @@ class HardwareProfile:
             "alpha": {
                 phase: {str(u): [list(p) for p in pts] for u, pts in table.items()}
                 for phase, table in self.calibration.alpha.items()
+            },
+            "corun_load": {
+                phase: {str(u): [list(p) for p in pts] for u, pts in table.items()}
+                for phase, table in self.calibration.corun_load.items()
             },
             "decode_bandwidth_corun": [list(p) for p in self.calibration.decode_bandwidth_corun],
             "unit_sweep": [asdict(p) for p in self.calibration.unit_sweep],
@@ -227,13 +235,13 @@ def _calibration(raw: dict[str, Any]) -> Calibration:
             raise ProfileError(
                 f"field '{path}': only decode phases take '@<context>', a positive int"
             )
-        rows = _Fields(table, path).raw
-        parsed: dict[int, Points] = {}
-        for units, pts in rows.items():
-            if not units.isdigit() or int(units) <= 0:
-                raise ProfileError(f"field '{path}.{units}': unit count must be a positive int")
-            parsed[int(units)] = _points(pts, f"{path}.{units}")
-        alpha[phase] = dict(sorted(parsed.items()))
+        alpha[phase] = _unit_table(table, path)
+    corun_load: dict[str, dict[int, Points]] = {}
+    for phase, table in _Fields(raw.get("corun_load", {}), "calibration.corun_load").raw.items():
+        path = f"calibration.corun_load.{phase}"
+        if phase not in ("prefill", "decode"):
+            raise ProfileError(f"field '{path}': expected 'prefill' or 'decode'")
+        corun_load[phase] = _unit_table(table, path)
     bw_raw = raw.get("decode_bandwidth_corun", [])
     bw = _points(bw_raw, "calibration.decode_bandwidth_corun") if bw_raw else ()
     sweep_raw = raw.get("unit_sweep", [])
@@ -245,4 +253,15 @@ def _calibration(raw: dict[str, Any]) -> Calibration:
         sweep.append(
             UnitPoint(f.positive_int("units"), f.positive("gemm_flops"), f.positive("bandwidth"))
         )
-    return Calibration(alpha=alpha, decode_bandwidth_corun=bw, unit_sweep=tuple(sweep))
+    return Calibration(
+        alpha=alpha, corun_load=corun_load, decode_bandwidth_corun=bw, unit_sweep=tuple(sweep)
+    )
+
+
+def _unit_table(raw: Any, path: str) -> dict[int, Points]:
+    parsed: dict[int, Points] = {}
+    for units, pts in _Fields(raw, path).raw.items():
+        if not units.isdigit() or int(units) <= 0:
+            raise ProfileError(f"field '{path}.{units}': unit count must be a positive int")
+        parsed[int(units)] = _points(pts, f"{path}.{units}")
+    return dict(sorted(parsed.items()))

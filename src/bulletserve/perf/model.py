@@ -9,7 +9,8 @@ where a GPU GEMM's C_p is further scaled by its wave efficiency (tiles over unit
 prediction is `overhead + alpha(N_p, rows) * T' * correction`: alpha comes from the profile's
 measured points for the phase (co-running points when the other lane is busy), and the online
 correction is an EWMA of measured / predicted that `observe` updates from real steps. A decode
-step co-running with a prefill sees the profile's contention-adjusted bandwidth.
+step co-running with a prefill sees the profile's contention-adjusted bandwidth, and a co-running
+alpha is scaled by the profile's load factor for the other lane's rows.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class PerfModel:
         for base, pts in by_context.items():
             pts.sort(key=lambda item: item[0])
             self._alpha_by_context[base] = (tuple(x for x, _ in pts), tuple(s for _, s in pts))
+        self._corun_load = {p: AlphaSurface.from_table(t) for p, t in cal.corun_load.items() if t}
         self._corun_bw = (
             Curve.from_points(cal.decode_bandwidth_corun, log_x=False)
             if cal.decode_bandwidth_corun
@@ -190,8 +192,14 @@ class PerfModel:
             return 1.0
         units = es.prefill_units if phase == "prefill" else es.decode_units
         if phase == "decode" and key in self._alpha_by_context:
-            return self._decode_alpha(key, units, rows, es.decode_ctx)
-        return surface(units, rows)
+            alpha = self._decode_alpha(key, units, rows, es.decode_ctx)
+        else:
+            alpha = surface(units, rows)
+        load = self._corun_load.get(phase) if key != phase else None
+        if load is not None:
+            other = "decode" if phase == "prefill" else "prefill"
+            alpha *= load(units, phase_counts(es, other)[TOKENS])
+        return alpha
 
     def _decode_alpha(self, key: str, units: int, rows: float, contexts: tuple[int, ...]) -> float:
         """alpha between the two measured contexts nearest the mean (log-linear), clamped."""

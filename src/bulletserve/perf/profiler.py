@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -117,27 +118,38 @@ def sweep_steps(
     """Prefill and decode steps alone at each unit count, and co-running at each split."""
     samples = []
     reps = plan.repeats
-    for c in counts:
-        for n in plan.prefill_lens:
-            t = bench.alone(bench.prefill_works([n]), c, reps)
-            samples.append(StepSample(_es_prefill((n,), c), "prefill", False, t))
-        for b in plan.decode_batches:
-            for ctx in plan.decode_contexts:
-                t = bench.alone(bench.decode_works(b, ctx), c, reps)
-                samples.append(StepSample(_es_decode(b, ctx, c), "decode", False, t))
-        log(
-            f"  {c:>4} units: {len(plan.prefill_lens)} prefill and "
-            f"{len(plan.decode_batches) * len(plan.decode_contexts)} decode shapes alone"
+    shapes = [
+        (_es_prefill((n,), 1), "prefill", partial(bench.prefill_works, [n]))
+        for n in plan.prefill_lens
+    ]
+    shapes += [
+        (_es_decode(b, ctx, 1), "decode", partial(bench.decode_works, b, ctx))
+        for b in plan.decode_batches
+        for ctx in plan.decode_contexts
+    ]
+    jobs = [(es, phase, make, c) for c in counts for es, phase, make in shapes]
+    times = bench.alone_each([(make, c) for _, _, make, c in jobs], reps)
+    for (es, phase, _, c), t in zip(jobs, times, strict=True):
+        samples.append(
+            StepSample(dataclasses.replace(es, **{f"{phase}_units": c}), phase, False, t)
         )
+    log(
+        f"  {len(plan.prefill_lens)} prefill and "
+        f"{len(plan.decode_batches) * len(plan.decode_contexts)} decode shapes alone "
+        f"at {len(counts)} unit counts"
+    )
     total = bench.units.total
     mid_len = plan.corun_prefill_lens[len(plan.corun_prefill_lens) // 2]
     mid_batch = plan.corun_decode_batches[len(plan.corun_decode_batches) // 2]
     ctx = plan.decode_contexts[len(plan.decode_contexts) // 2]
     pairs = {(n, mid_batch) for n in plan.corun_prefill_lens}
     pairs |= {(mid_len, b) for b in plan.corun_decode_batches}
+    pairs = sorted(pairs)
+    makers = [
+        (partial(bench.prefill_works, [n]), partial(bench.decode_works, b, ctx)) for n, b in pairs
+    ]
     for p in [c for c in counts if c < total]:
-        for n, b in sorted(pairs):
-            tp, td = bench.corun(bench.prefill_works([n]), p, bench.decode_works(b, ctx), reps)
+        for (n, b), (tp, td) in zip(pairs, bench.corun_each(makers, p, reps), strict=True):
             es = ExecutionState(
                 prefill_lens=(n,), prefill_units=p, decode_ctx=(ctx,) * b, decode_units=total - p
             )

@@ -12,12 +12,14 @@ predicted-vs-measured scatter plot perf-model.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
 import statistics
 import sys
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -46,21 +48,32 @@ CORUN = [((384,), 8, 300), ((768,), 24, 800), ((1536,), 2, 300), ((96,), 48, 800
 
 
 def measure_held_out(bench: StepBench, total: int, repeats: int) -> list[StepSample]:
-    samples = []
-    for units in range(1, total + 1):
-        for lens, cached in PREFILL:
-            t = bench.alone(bench.prefill_works(list(lens), list(cached) or None), units, repeats)
-            es = ExecutionState(prefill_lens=lens, prefill_cached=cached, prefill_units=units)
-            samples.append(StepSample(es, "prefill", False, t))
-        for b, ctx in DECODE:
-            t = bench.alone(bench.decode_works(b, ctx), units, repeats)
-            es = ExecutionState(decode_ctx=(ctx,) * b, decode_units=units)
-            samples.append(StepSample(es, "decode", False, t))
+    shapes = [
+        (
+            ExecutionState(prefill_lens=lens, prefill_cached=cached),
+            "prefill",
+            partial(bench.prefill_works, list(lens), list(cached) or None),
+        )
+        for lens, cached in PREFILL
+    ]
+    shapes += [
+        (ExecutionState(decode_ctx=(ctx,) * b), "decode", partial(bench.decode_works, b, ctx))
+        for b, ctx in DECODE
+    ]
+    jobs = [(es, phase, make, u) for u in range(1, total + 1) for es, phase, make in shapes]
+    times = bench.alone_each([(make, u) for _, _, make, u in jobs], repeats)
+    samples = [
+        StepSample(dataclasses.replace(es, **{f"{phase}_units": u}), phase, False, t)
+        for (es, phase, _, u), t in zip(jobs, times, strict=True)
+    ]
+    makers = [
+        (partial(bench.prefill_works, list(lens)), partial(bench.decode_works, b, ctx))
+        for lens, b, ctx in CORUN
+    ]
     for p in range(1, total):
-        for lens, b, ctx in CORUN:
-            tp, td = bench.corun(
-                bench.prefill_works(list(lens)), p, bench.decode_works(b, ctx), repeats
-            )
+        for (lens, b, ctx), (tp, td) in zip(
+            CORUN, bench.corun_each(makers, p, repeats), strict=True
+        ):
             es = ExecutionState(
                 prefill_lens=lens, prefill_units=p, decode_ctx=(ctx,) * b, decode_units=total - p
             )
@@ -141,6 +154,18 @@ def main(argv: list[str] | None = None) -> int:
             for c in (False, True)
         },
         "samples": rows,
+        "profile_samples": [
+            {
+                "phase": s.phase,
+                "corun": s.corun,
+                "units": s.units,
+                "rows": s.rows,
+                "other_rows": s.other_rows,
+                "es": str(s.es),
+                "measured_s": s.measured_s,
+            }
+            for s in train
+        ],
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "perf-model.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -55,12 +56,38 @@ class StepBench:
         return lambda: runner.execute(works)
 
     def alone(self, works: list[SeqWork], count: int, repeats: int) -> float:
-        """Median seconds of one step of `works` on `count` units, nothing else running."""
+        """Fastest of `repeats` steps of `works` on `count` units, nothing else running."""
         try:
             with self.units.lane(count):
                 return time_call(self._step(0, works), self.units.synchronize, repeats)
         finally:
             self._free(works)
+
+    def alone_each(
+        self, jobs: list[tuple[Callable[[], list[SeqWork]], int]], repeats: int
+    ) -> list[float]:
+        """Fastest step of each job, a (function building the works, unit count) pair.
+
+        The repeats go round all the jobs, after one warm-up round: a slow spell of a shared
+        machine (they last seconds) then costs one repeat of several jobs, not every repeat of
+        one job or every job at one unit count."""
+        best = [math.inf] * len(jobs)
+        sync = self.units.synchronize
+        for round_ in range(repeats + 1):
+            for i, (make, count) in enumerate(jobs):
+                works = make()
+                try:
+                    with self.units.lane(count):
+                        step = self._step(0, works)
+                        start = time.perf_counter()
+                        step()
+                        sync()
+                        elapsed = time.perf_counter() - start
+                finally:
+                    self._free(works)
+                if round_:
+                    best[i] = min(best[i], elapsed)
+        return best
 
     def corun(
         self,
@@ -118,6 +145,23 @@ class StepBench:
         if errors:
             raise errors[0]
         return statistics.median(times[0]), statistics.median(times[1])
+
+    def corun_each(
+        self,
+        pairs: list[tuple[Callable[[], list[SeqWork]], Callable[[], list[SeqWork]]]],
+        prefill_units: int,
+        rounds: int,
+        steps: int = 2,
+    ) -> list[tuple[float, float]]:
+        """(prefill, decode) step seconds of each (prefill shape, decode shape) pair co-running:
+        `rounds` rounds go round the pairs, each a `corun` of `steps` steps, and each lane keeps
+        its fastest round (as `alone_each` keeps its fastest step)."""
+        best = [(math.inf, math.inf)] * len(pairs)
+        for _ in range(rounds):
+            for i, (make_prefill, make_decode) in enumerate(pairs):
+                tp, td = self.corun(make_prefill(), prefill_units, make_decode(), steps)
+                best[i] = (min(best[i][0], tp), min(best[i][1], td))
+        return best
 
     def prepare_overhead(self, repeats: int) -> float:
         """Host-side seconds to build a one-sequence decode batch: the fixed cost of a step."""
