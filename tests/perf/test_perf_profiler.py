@@ -38,8 +38,27 @@ def test_unit_counts_spread():
 def test_profile_tiny_model(tmp_path):
     model = load_model(resolve_model("tiny", "dummy"), torch.float32, torch.device("cpu"), 64)
     lines = []
+    total = CpuThreads().total
+    held_out = [
+        ExecutionState(prefill_lens=(12, 5), prefill_units=1),
+        ExecutionState(decode_ctx=(20, 9, 30), decode_units=total),
+    ]
+    if total > 1:
+        held_out.append(
+            ExecutionState(
+                prefill_lens=(7,), prefill_units=1, decode_ctx=(11,), decode_units=total - 1
+            )
+        )
     with torch.inference_mode():
-        hw, samples = profile_device(model, CpuThreads(), TINY_PLAN, "test-cpu", lines.append)
+        run = profile_device(model, CpuThreads(), TINY_PLAN, "test-cpu", lines.append, held_out)
+    hw, samples = run.hw, run.samples
+    # Held-out states come back in order (two samples for a co-running one), and unfitted.
+    expected = [("prefill", False), ("decode", False), ("prefill", True), ("decode", True)]
+    assert [(s.phase, s.corun) for s in run.held_out] == expected[: len(run.held_out)]
+    assert len(run.held_out) == (4 if total > 1 else 2)
+    assert [s.es for s in run.held_out][:2] == held_out[:2]
+    assert all(s.measured_s > 0 for s in run.held_out)
+    assert not {s.es for s in run.held_out} & {s.es for s in samples}
     assert hw.measured and hw.kind == "cpu" and hw.units == CpuThreads().total
     assert set(hw.peak_flops) == {"bfloat16", "float16", "float32"}
     assert 1 <= hw.bandwidth_saturation_units <= hw.units

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     with torch.inference_mode():
-        hw, samples = profile_device(model, units, plan, name, lambda s: print(s, file=sys.stderr))
+        run = profile_device(model, units, plan, name, lambda s: print(s, file=sys.stderr))
+        hw, samples = run.hw, run.samples
     hw.save(args.output)
     print(summary(hw, samples))
     print(f"wrote {args.output} in {time.perf_counter() - started:.0f} s")

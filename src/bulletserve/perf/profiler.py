@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -112,50 +111,39 @@ def measure_device(
     )
 
 
-def sweep_steps(
-    bench: StepBench, counts: list[int], plan: SweepPlan, log: Callable[[str], None]
-) -> list[StepSample]:
-    """Prefill and decode steps alone at each unit count, and co-running at each split."""
-    samples = []
-    reps = plan.repeats
-    shapes = [
-        (_es_prefill((n,), 1), "prefill", partial(bench.prefill_works, [n]))
-        for n in plan.prefill_lens
-    ]
-    shapes += [
-        (_es_decode(b, ctx, 1), "decode", partial(bench.decode_works, b, ctx))
-        for b in plan.decode_batches
-        for ctx in plan.decode_contexts
-    ]
-    jobs = [(es, phase, make, c) for c in counts for es, phase, make in shapes]
-    times = bench.alone_each([(make, c) for _, _, make, c in jobs], reps)
-    for (es, phase, _, c), t in zip(jobs, times, strict=True):
-        samples.append(
-            StepSample(dataclasses.replace(es, **{f"{phase}_units": c}), phase, False, t)
-        )
-    log(
-        f"  {len(plan.prefill_lens)} prefill and "
-        f"{len(plan.decode_batches) * len(plan.decode_contexts)} decode shapes alone "
-        f"at {len(counts)} unit counts"
-    )
-    total = bench.units.total
+def plan_states(plan: SweepPlan, counts: list[int], total: int) -> list[ExecutionState]:
+    """The plan's prefill and decode shapes alone at each unit count, then its co-running
+    cross at each split: every co-running prefill length against the middle decode batch, and
+    the middle length against every co-running batch (the fit's reference arms)."""
+    states = []
+    for c in counts:
+        states += [_es_prefill((n,), c) for n in plan.prefill_lens]
+        states += [
+            _es_decode(b, ctx, c) for b in plan.decode_batches for ctx in plan.decode_contexts
+        ]
     mid_len = plan.corun_prefill_lens[len(plan.corun_prefill_lens) // 2]
     mid_batch = plan.corun_decode_batches[len(plan.corun_decode_batches) // 2]
     ctx = plan.decode_contexts[len(plan.decode_contexts) // 2]
     pairs = {(n, mid_batch) for n in plan.corun_prefill_lens}
     pairs |= {(mid_len, b) for b in plan.corun_decode_batches}
-    pairs = sorted(pairs)
-    makers = [
-        (partial(bench.prefill_works, [n]), partial(bench.decode_works, b, ctx)) for n, b in pairs
-    ]
     for p in [c for c in counts if c < total]:
-        for (n, b), (tp, td) in zip(pairs, bench.corun_each(makers, p, reps), strict=True):
-            es = ExecutionState(
+        states += [
+            ExecutionState(
                 prefill_lens=(n,), prefill_units=p, decode_ctx=(ctx,) * b, decode_units=total - p
             )
-            samples += [StepSample(es, "prefill", True, tp), StepSample(es, "decode", True, td)]
-        log(f"  split {p}/{total - p}: {len(pairs)} co-running shapes")
-    return samples
+            for n, b in sorted(pairs)
+        ]
+    return states
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    """A fitted profile, the step samples it was fitted to, and the samples of the extra
+    (held-out) states measured in the same rounds but not fitted."""
+
+    hw: HardwareProfile
+    samples: list[StepSample]
+    held_out: list[StepSample]
 
 
 def profile_device(
@@ -164,8 +152,10 @@ def profile_device(
     plan: SweepPlan,
     name: str,
     log: Callable[[str], None],
-) -> tuple[HardwareProfile, list[StepSample]]:
-    """Measure, sweep and fit: the profile and the step samples it was fitted to."""
+    held_out: Sequence[ExecutionState] = (),
+) -> ProfileRun:
+    """Measure, sweep and fit. `held_out` states are timed in the same rounds as the plan's (so
+    that both see the same machine) and left out of the fit."""
     dtype = DTYPE_NAMES[next(model.parameters()).dtype]
     log("peak GEMM rate and copy bandwidth per unit count:")
     hw = measure_device(units, plan, name, log)
@@ -175,8 +165,20 @@ def profile_device(
         for c in counts
         if c < units.total
     )
-    bench = StepBench(model, units, plan.max_tokens)
+    max_tokens = max(
+        [plan.max_tokens] + [es.prefill_tokens + sum(es.decode_ctx) for es in held_out]
+    )
+    bench = StepBench(model, units, max_tokens)
     hw = dataclasses.replace(hw, step_overhead_s=bench.prepare_overhead(20))
-    log("step sweeps through the model runner:")
-    samples = sweep_steps(bench, counts, plan, log)
-    return calibrate(model.config, hw, dtype, samples, bw_corun), samples
+    states = plan_states(plan, counts, units.total)
+    log(
+        f"step sweeps through the model runner: {len(states)} states"
+        + (f" and {len(held_out)} held out" if held_out else "")
+        + f", {plan.repeats} rounds"
+    )
+    measured = bench.measure(states + list(held_out), plan.repeats)
+    fitted = len(states) + sum(es.has_prefill and es.has_decode for es in states)
+    samples = measured[:fitted]
+    return ProfileRun(
+        calibrate(model.config, hw, dtype, samples, bw_corun), samples, measured[fitted:]
+    )

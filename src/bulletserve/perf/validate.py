@@ -2,8 +2,10 @@
 
     python -m bulletserve.perf.validate [--quick] [--out-dir docs]
 
-Profiles this CPU with the embedded default model (as `bullet profile` does), then measures
-held-out prefill and decode shapes alone and co-running, and compares three predictors: the
+Profiles this CPU with the embedded default model (as `bullet profile` does), measuring
+held-out prefill and decode shapes, alone and co-running, in the same rounds as the profile's
+own (so that a drift of the machine between minutes does not pass for model error), fits on the
+profile's shapes only, and compares three predictors on the held-out ones: the
 calibrated model, the uncalibrated roofline T', and a plain linear fit t = a + b * rows per
 (phase, units, co-running) on the same profiling samples. Writes perf-model.json and a
 predicted-vs-measured scatter plot perf-model.png.
@@ -19,7 +21,6 @@ import platform
 import statistics
 import sys
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,6 @@ from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads
 from bulletserve.perf.fit import StepSample
-from bulletserve.perf.measure.steps import StepBench
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import PLANS, profile_device
 from bulletserve.perf.state import ExecutionState
@@ -47,38 +47,23 @@ DECODE = [(b, ctx) for b in (2, 8, 24, 48) for ctx in (300, 800)]
 CORUN = [((384,), 8, 300), ((768,), 24, 800), ((1536,), 2, 300), ((96,), 48, 800)]
 
 
-def measure_held_out(bench: StepBench, total: int, repeats: int) -> list[StepSample]:
-    shapes = [
-        (
-            ExecutionState(prefill_lens=lens, prefill_cached=cached),
-            "prefill",
-            partial(bench.prefill_works, list(lens), list(cached) or None),
-        )
-        for lens, cached in PREFILL
-    ]
-    shapes += [
-        (ExecutionState(decode_ctx=(ctx,) * b), "decode", partial(bench.decode_works, b, ctx))
-        for b, ctx in DECODE
-    ]
-    jobs = [(es, phase, make, u) for u in range(1, total + 1) for es, phase, make in shapes]
-    times = bench.alone_each([(make, u) for _, _, make, u in jobs], repeats)
-    samples = [
-        StepSample(dataclasses.replace(es, **{f"{phase}_units": u}), phase, False, t)
-        for (es, phase, _, u), t in zip(jobs, times, strict=True)
-    ]
-    makers = [
-        (partial(bench.prefill_works, list(lens)), partial(bench.decode_works, b, ctx))
-        for lens, b, ctx in CORUN
-    ]
+def held_out_states(total: int) -> list[ExecutionState]:
+    """The held-out shapes alone at every unit count and co-running at every split."""
+    states = []
+    for units in range(1, total + 1):
+        states += [
+            ExecutionState(prefill_lens=lens, prefill_cached=cached, prefill_units=units)
+            for lens, cached in PREFILL
+        ]
+        states += [ExecutionState(decode_ctx=(ctx,) * b, decode_units=units) for b, ctx in DECODE]
     for p in range(1, total):
-        for (lens, b, ctx), (tp, td) in zip(
-            CORUN, bench.corun_each(makers, p, repeats), strict=True
-        ):
-            es = ExecutionState(
+        states += [
+            ExecutionState(
                 prefill_lens=lens, prefill_units=p, decode_ctx=(ctx,) * b, decode_units=total - p
             )
-            samples += [StepSample(es, "prefill", True, tp), StepSample(es, "decode", True, td)]
-    return samples
+            for lens, b, ctx in CORUN
+        ]
+    return states
 
 
 def linear_fit(train: list[StepSample]) -> dict[tuple[str, int, bool], tuple[float, float]]:
@@ -100,19 +85,20 @@ def errors(pred: list[float], meas: list[float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bulletserve.perf.validate")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="measurement rounds (default: the plan's)")
     parser.add_argument("--out-dir", type=Path, default=Path("docs"))
     args = parser.parse_args(argv)
     units = CpuThreads()
     model = load_model(resolve_model(None), torch.bfloat16, torch.device("cpu"), 4096)
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     with torch.inference_mode():
-        hw, train = profile_device(
-            model, units, PLANS["quick" if args.quick else "default"], platform.machine(), log
+        plan = PLANS["quick" if args.quick else "default"]
+        if args.repeats:
+            plan = dataclasses.replace(plan, repeats=args.repeats)
+        run = profile_device(
+            model, units, plan, platform.machine(), log, held_out_states(units.total)
         )
-        bench = StepBench(model, units, 48 * 800 + 4096)
-        log("held-out shapes:")
-        test = measure_held_out(bench, units.total, args.repeats)
+    hw, train, test = run.hw, run.samples, run.held_out
     perf = PerfModel(model.config, hw)
     fits = linear_fit(train)
     rows = []

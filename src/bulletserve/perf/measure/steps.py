@@ -14,7 +14,9 @@ from bulletserve.engine.runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.partition import CpuThreads, GreenContextSMs
+from bulletserve.perf.fit import StepSample
 from bulletserve.perf.measure.timing import time_call
+from bulletserve.perf.state import ExecutionState
 
 Units = CpuThreads | GreenContextSMs
 
@@ -62,32 +64,6 @@ class StepBench:
                 return time_call(self._step(0, works), self.units.synchronize, repeats)
         finally:
             self._free(works)
-
-    def alone_each(
-        self, jobs: list[tuple[Callable[[], list[SeqWork]], int]], repeats: int
-    ) -> list[float]:
-        """Fastest step of each job, a (function building the works, unit count) pair.
-
-        The repeats go round all the jobs, after one warm-up round: a slow spell of a shared
-        machine (they last seconds) then costs one repeat of several jobs, not every repeat of
-        one job or every job at one unit count."""
-        best = [math.inf] * len(jobs)
-        sync = self.units.synchronize
-        for round_ in range(repeats + 1):
-            for i, (make, count) in enumerate(jobs):
-                works = make()
-                try:
-                    with self.units.lane(count):
-                        step = self._step(0, works)
-                        start = time.perf_counter()
-                        step()
-                        sync()
-                        elapsed = time.perf_counter() - start
-                finally:
-                    self._free(works)
-                if round_:
-                    best[i] = min(best[i], elapsed)
-        return best
 
     def corun(
         self,
@@ -146,22 +122,63 @@ class StepBench:
             raise errors[0]
         return statistics.median(times[0]), statistics.median(times[1])
 
-    def corun_each(
-        self,
-        pairs: list[tuple[Callable[[], list[SeqWork]], Callable[[], list[SeqWork]]]],
-        prefill_units: int,
-        rounds: int,
-        steps: int = 2,
-    ) -> list[tuple[float, float]]:
-        """(prefill, decode) step seconds of each (prefill shape, decode shape) pair co-running:
-        `rounds` rounds go round the pairs, each a `corun` of `steps` steps, and each lane keeps
-        its fastest round (as `alone_each` keeps its fastest step)."""
-        best = [(math.inf, math.inf)] * len(pairs)
-        for _ in range(rounds):
-            for i, (make_prefill, make_decode) in enumerate(pairs):
-                tp, td = self.corun(make_prefill(), prefill_units, make_decode(), steps)
-                best[i] = (min(best[i][0], tp), min(best[i][1], td))
-        return best
+    def _once(self, works: list[SeqWork], count: int) -> float:
+        """Seconds of one step of `works` on `count` units; frees the works."""
+        try:
+            with self.units.lane(count):
+                start = time.perf_counter()
+                self._step(0, works)()
+                self.units.synchronize()
+                return time.perf_counter() - start
+        finally:
+            self._free(works)
+
+    def state_works(self, es: ExecutionState) -> tuple[list[SeqWork], list[SeqWork]]:
+        """(prefill works, decode works) for the sequences of `es`."""
+        prefill = (
+            self.prefill_works(list(es.prefill_lens), list(es.prefill_cached) or None)
+            if es.has_prefill
+            else []
+        )
+        decode = self._works([1] * es.decode_batch, [c - 1 for c in es.decode_ctx])
+        return prefill, decode
+
+    def measure(self, states: list[ExecutionState], repeats: int) -> list[StepSample]:
+        """Time every state: one lane alone on its units, or both co-running.
+
+        `repeats` rounds go round all the states (after a warm-up round for the alone ones;
+        `corun` warms itself up) and each keeps its fastest round: a slow spell of a shared
+        machine, which lasts seconds, then costs one round of several states, not every round
+        of one state or every state of one kind. A co-running round is a `corun` of two steps.
+        Returns one sample per alone state and two (prefill, decode) per co-running one."""
+        best = [[math.inf, math.inf] for _ in states]
+        for round_ in range(repeats + 1):
+            for i, es in enumerate(states):
+                prefill, decode = self.state_works(es)
+                if es.has_prefill and es.has_decode:
+                    if round_ == 0:
+                        self._free(prefill + decode)
+                        continue
+                    times = self.corun(prefill, es.prefill_units, decode, 2)
+                elif es.has_prefill:
+                    times = (self._once(prefill, es.prefill_units),)
+                else:
+                    times = (self._once(decode, es.decode_units),)
+                if round_:
+                    for lane, t in enumerate(times):
+                        best[i][lane] = min(best[i][lane], t)
+        samples = []
+        for es, (first, second) in zip(states, best, strict=True):
+            if es.has_prefill and es.has_decode:
+                samples += [
+                    StepSample(es, "prefill", True, first),
+                    StepSample(es, "decode", True, second),
+                ]
+            else:
+                samples.append(
+                    StepSample(es, "prefill" if es.has_prefill else "decode", False, first)
+                )
+        return samples
 
     def prepare_overhead(self, repeats: int) -> float:
         """Host-side seconds to build a one-sequence decode batch: the fixed cost of a step."""
