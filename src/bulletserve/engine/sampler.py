@@ -34,13 +34,13 @@ class Sampler:
         if random_rows:
             rows = torch.tensor(random_rows)
             probs = self._filtered_probs(logits[rows], [requests[i] for i in random_rows])
-            # Exponential race: argmax(p / q) with q ~ Exp(1) draws from p; each seeded request
-            # draws its own noise so its samples do not depend on its neighbours.
-            noise = torch.empty_like(probs)
+            # Inverse-CDF draw: one uniform per row, from the request's own generator when it
+            # is seeded, so its samples do not depend on its neighbours. (Noise over the whole
+            # vocabulary per row, as an exponential race needs, cost 1.5 ms a row on a CPU.)
+            uniforms = torch.empty(len(random_rows), 1, dtype=torch.float64)
             for k, i in enumerate(random_rows):
-                generator = requests[i].generator or self._generator
-                noise[k].exponential_(generator=generator)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+                uniforms[k].uniform_(generator=requests[i].generator or self._generator)
+            tokens[rows] = _inverse_cdf(probs, uniforms)
         token_list = tokens.tolist()
         results: list[TokenLogprob | None] = []
         for row, request in enumerate(requests):
@@ -74,3 +74,13 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return logits.softmax(dim=-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative probability exceeds u * total: a draw from
+    the row's distribution that never lands on a zero-probability entry."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    picks = torch.searchsorted(cdf, uniforms * total, right=True)
+    # u * total can round up to total itself: take the last entry with any mass instead.
+    return torch.minimum(picks, torch.searchsorted(cdf, total)).squeeze(1)
