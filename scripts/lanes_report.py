@@ -1,34 +1,44 @@
 """The lanes benchmark's table for docs/benchmarks.md, from `bullet bench` result files.
 
-Per configuration and rate: SLO attainment at the benchmark's SLOs and at a looser TTFT SLO
-(a sensitivity check, recomputed from the per-request records), goodput (requests/s meeting
+Per configuration and rate: SLO attainment at the run's SLOs (or at `--slo`, recomputed from the
+per-request records) and at a looser TTFT SLO (a sensitivity check), goodput (requests/s meeting
 both SLOs), output throughput, P90 TTFT and TPOT; then the highest rate that keeps 90%.
 
     python scripts/lanes_report.py docs/data/bench-cpu/*.json --loose-ttft-factor 2
+    python scripts/lanes_report.py RUNS.json --slo 143.2,1.991,164.6
+
+Rescoring with `--slo` is exact for policies that do not read the SLO (chunked,
+prefill-first); bullet schedules by its SLOs, so its runs are rescored only for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 from pathlib import Path
 
+from bulletserve.bench.metrics import SLO, attainment
+from bulletserve.bench.records import load_result
 
-def attained(request: dict, ttft_per_token_ms: float, tpot_ms: float) -> bool:
-    if not request["success"] or request["ttft_s"] is None:
-        return False
-    # TPOT as vLLM defines it: after the first token; one-token requests have none.
-    tpot = None
-    if request["output_len"] > 1:
-        tpot = (request["e2el_s"] - request["ttft_s"]) / (request["output_len"] - 1)
-    ttft_ok = request["ttft_s"] * 1e3 / request["input_len"] <= ttft_per_token_ms
-    return ttft_ok and (tpot is None or tpot * 1e3 <= tpot_ms)
+
+def parse_slo(text: str) -> SLO:
+    """TTFT_BASE_MS,TTFT_PER_TOKEN_MS,TPOT_MS"""
+    try:
+        base, per_token, tpot = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--slo wants TTFT_BASE_MS,TTFT_PER_TOKEN_MS,TPOT_MS, not {text!r}"
+        ) from None
+    return SLO(per_token, tpot, base)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--loose-ttft-factor", type=float, default=2.0)
+    parser.add_argument(
+        "--slo", type=parse_slo, help="rescore at TTFT_BASE_MS,PER_TOKEN_MS,TPOT_MS"
+    )
     args = parser.parse_args()
     best: dict[str, dict[str, float | None]] = {}
     loose_name = f"TTFT SLO x{args.loose_ttft_factor:g}"
@@ -38,23 +48,29 @@ def main() -> None:
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for path in args.results:
-        data = json.loads(path.read_text())
-        label = data["label"]
+        result = load_result(path)
+        label = result.label
         best[label] = {"set": None, "loose": None}
-        for run in data["runs"]:
-            s, rate = run["summary"], run["request_rate"]
-            slo = s["slo"]
-            ttft_slo, tpot_slo = slo["ttft_per_token_ms"], slo["tpot_ms"]
-            loose = sum(
-                attained(r, ttft_slo * args.loose_ttft_factor, tpot_slo) for r in run["requests"]
-            ) / len(run["requests"])
-            goodput = slo["met"] / run["duration_s"]
-            for key, value in (("set", slo["attainment"]), ("loose", loose)):
+        for run in result.runs:
+            s, rate = run.summary, run.request_rate
+            ran = s["slo"]
+            slo = args.slo or SLO(
+                ran["ttft_per_token_ms"], ran["tpot_ms"], ran.get("ttft_base_ms", 0.0)
+            )
+            loose_slo = dataclasses.replace(
+                slo,
+                ttft_per_token_ms=slo.ttft_per_token_ms * args.loose_ttft_factor,
+                ttft_base_ms=slo.ttft_base_ms * args.loose_ttft_factor,
+            )
+            score = attainment(run.requests, slo)
+            loose = attainment(run.requests, loose_slo)["attainment"]
+            goodput = score["met"] / run.duration_s
+            for key, value in (("set", score["attainment"]), ("loose", loose)):
                 if value >= 0.9:
                     best[label][key] = max(best[label][key] or 0, rate)
             print(
-                f"| {label} | {rate:g} | {slo['attainment']:.2f} | {loose:.2f} | {goodput:.3f} | "
-                f"{s['output_throughput']:.1f} | {s['ttft_ms']['p90']:.0f} | "
+                f"| {label} | {rate:g} | {score['attainment']:.2f} | {loose:.2f} | "
+                f"{goodput:.3f} | {s['output_throughput']:.1f} | {s['ttft_ms']['p90']:.0f} | "
                 f"{s['tpot_ms']['p90']:.0f} |"
             )
     print()

@@ -66,7 +66,9 @@ def replay(run: RunResult) -> list[SimRequest]:
 
 def run_slo(run: RunResult) -> SLO | None:
     slo = run.summary.get("slo")
-    return SLO(slo["ttft_per_token_ms"], slo["tpot_ms"]) if slo else None
+    if not slo:
+        return None
+    return SLO(slo["ttft_per_token_ms"], slo["tpot_ms"], slo.get("ttft_base_ms", 0.0))
 
 
 def _value(summary: dict, path: tuple[str, ...]) -> float | None:

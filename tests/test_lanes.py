@@ -123,6 +123,45 @@ def test_abort_in_either_lane_frees_blocks(tiny_llama_dir):
         engine.close()
 
 
+def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
+    """While the decode lane computes its batch, the prefill lane must still see that batch:
+    a prefill lane that saw no decodes planned the whole device for itself, waited for units
+    the decode lane kept taking, and starved (TTFTs of 15 s in the CPU benchmark)."""
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="bullet",
+        num_threads=2,
+        slo_tpot_ms=1,  # so tight that decode cannot pause for a prefill: the lanes must split
+    )
+    engine = llm.engine
+    if engine.units.total < 2:
+        engine.close()
+        pytest.skip("needs two units to split")
+    try:
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        for prompt in random_prompts(3, seed=24):
+            engine.add_request(prompt, params)
+        deadline = time.monotonic() + 60
+        while len(engine.running) < 3 and time.monotonic() < deadline:
+            engine.step()
+    finally:
+        engine.close()  # the lanes stop; the state stays as they left it
+    assert len(engine.running) == 3
+    engine.add_request(random_prompts(1, seed=25)[0], GREEDY)
+    with engine._state:
+        decode_view = engine.policy.plan_decode(engine._snapshot())
+        assert decode_view.split.decode > 0 and decode_view.split.prefill > 0
+        # The decode lane starts its step on its share of the units...
+        engine._busy.update(r.request_id for r in engine.running)
+        engine._computing["decode"] = engine._share("decode", decode_view.split)
+        # ...and the prefill lane plans meanwhile: the same split, which it can start at once.
+        prefill_view = engine.policy.plan_prefill(engine._snapshot())
+        assert prefill_view.split == decode_view.split
+        assert engine._may_start("prefill", prefill_view.split)
+
+
 def test_partition_flag_parsing():
     assert parse_partition("auto", 2) == ("auto", None)
     assert parse_partition("static:1/1", 2) == ("static", Split(1, 1))

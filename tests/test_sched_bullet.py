@@ -17,6 +17,7 @@ from bulletserve.sched.bullet import (
     BulletPolicy,
     BulletSnapshot,
     LatencyStats,
+    LatencyWindow,
     PrefillInFlight,
     Slo,
     Split,
@@ -73,7 +74,7 @@ def snapshots(draw, hw) -> BulletSnapshot:
     if draw(st.booleans()):
         batch = tuple(seq(200 + i, False) for i in range(draw(st.integers(1, 3))))
         prefill = PrefillInFlight(batch, draw(st.integers(0, 31)))
-    ttft = draw(st.none() | st.floats(1e-4, 1e-2))
+    ttft = draw(st.none() | st.floats(0.05, 3.0))  # P90 TTFT over its SLO
     tpot = draw(st.none() | st.floats(0.01, 0.5))
     counts = UnitSpace(hw.units, hw.unit_granularity, hw.min_units).counts()
     current = draw(st.sampled_from(counts))
@@ -215,3 +216,26 @@ def test_static_and_none_partitions():
     assert none.plan_prefill(snap).split == Split(2, 2)
     with pytest.raises(ValueError, match="static split"):
         make_policy(CPU, partition="static", static=Split(2, 1))
+
+
+def test_ttft_slo_with_a_fixed_part():
+    """A fixed part of the TTFT SLO gives short prompts room: a 10-token prompt that waited
+    0.1 s is at risk on 3 ms/token alone (30 ms budget) but not with 500 ms more; the window
+    tracks each TTFT over its own request's SLO."""
+    cfg = PRESETS["llama-3.1-8b"]
+    slo = Slo(ttft_per_token_s=3e-3, tpot_s=0.15, ttft_base_s=0.5)
+    policy = make_policy(H100)
+    with_base = BulletPolicy(
+        perf=policy.perf,
+        units=policy.units,
+        num_layers=cfg.num_layers,
+        slo=slo,
+    )
+    short = SeqView("short", 99.9, 10, 0, 0)
+    assert policy.at_risk(short, 100.0)
+    assert not with_base.at_risk(short, 100.0)
+    assert slo.ttft_s(10) == pytest.approx(0.53)
+    window = LatencyWindow(slo)
+    for ttft, tokens in ((0.53, 10), (0.25, 10), (1.1, 200)):
+        window.add(ttft, tokens, None)
+    assert window.stats().p90_ttft_over_slo == pytest.approx(1.0)

@@ -88,6 +88,10 @@ def test_slo_attainment(records):
     assert result["p90_norm_ttft_ms"] == pytest.approx(43)
     assert result["p90_tpot_ms"] == pytest.approx(190)
     assert attainment(records, SLO(60, 250))["attainment"] == pytest.approx(0.75)
+    # A fixed part: request 2 (TTFT 200 ms, 4 tokens) meets 120 + 4 * 20 = 200 ms.
+    with_base = attainment(records, SLO(20, 250, ttft_base_ms=120))
+    assert with_base["met"] == 3 and with_base["ttft_base_ms"] == 120
+    assert attainment(records, SLO(20, 250, ttft_base_ms=119))["met"] == 2
 
 
 def test_all_failed_gives_nulls_not_errors():

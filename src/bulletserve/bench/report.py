@@ -87,7 +87,13 @@ def summary_table(run: RunResult) -> str:
             row(f"{stat.capitalize()} {short} (ms):", s[key][stat])
     if "slo" in s:
         slo = s["slo"]
-        title = f"SLO: TTFT {slo['ttft_per_token_ms']:g} ms/token, TPOT {slo['tpot_ms']:g} ms"
+        base = slo.get("ttft_base_ms") or 0.0
+        ttft = (
+            f"{base:g} ms + {slo['ttft_per_token_ms']:g} ms/token"
+            if base
+            else (f"{slo['ttft_per_token_ms']:g} ms/token")
+        )
+        title = f"SLO: TTFT {ttft}, TPOT {slo['tpot_ms']:g} ms"
         lines.append(title.center(_WIDTH, "-"))
         attained = slo["attainment"]
         row("SLO attainment (%):", None if attained is None else 100.0 * attained)

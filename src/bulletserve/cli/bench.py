@@ -104,6 +104,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         type=float,
         help="normalized TTFT SLO (default: the paper's for the dataset)",
     )
+    slo.add_argument(
+        "--slo-ttft-base-ms",
+        type=float,
+        default=0.0,
+        help="a fixed part of the TTFT SLO, added to input tokens x the per-token SLO (default 0)",
+    )
     slo.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO (default: the paper's)")
     slo.add_argument(
         "--goodput",
@@ -236,7 +242,9 @@ def _slo(args: argparse.Namespace):
         return None
     if ttft is None or tpot is None:
         raise CLIError("give both --slo-ttft-per-token-ms and --slo-tpot-ms for this dataset")
-    return SLO(ttft, tpot)
+    if not args.slo_ttft_base_ms >= 0:
+        raise CLIError(f"--slo-ttft-base-ms must be >= 0, not {args.slo_ttft_base_ms}")
+    return SLO(ttft, tpot, args.slo_ttft_base_ms)
 
 
 def _goodput(items: list[str] | None) -> dict[str, float] | None:

@@ -86,6 +86,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
 
     slo = parser.add_argument_group("SLOs (default: the paper's for the dataset)")
     slo.add_argument("--slo-ttft-per-token-ms", type=float)
+    slo.add_argument(
+        "--slo-ttft-base-ms",
+        type=float,
+        default=0.0,
+        help="a fixed part of the TTFT SLO, added to input tokens x the per-token SLO",
+    )
     slo.add_argument("--slo-tpot-ms", type=float)
 
     out = parser.add_argument_group("output")

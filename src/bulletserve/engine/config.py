@@ -27,6 +27,7 @@ class EngineConfig:
     # Bullet (--policy bullet) only:
     partition: str = "auto"  # auto | none | static:P/D
     slo_ttft_per_token_ms: float = 3.0
+    slo_ttft_base_ms: float = 0.0  # a fixed part of the TTFT SLO, beside the per-token part
     slo_tpot_ms: float = 150.0
     prefill_layers_per_step: int | None = None  # None: all layers in one step
     hardware_profile: str | None = None  # a `bullet profile` JSON; default: measured at start
@@ -40,6 +41,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not self.slo_ttft_base_ms >= 0:
+            raise ValueError(f"--slo-ttft-base-ms must be >= 0, got {self.slo_ttft_base_ms}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if self.load_format not in LOAD_FORMATS:
@@ -93,6 +96,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "or static:P/D (P units for prefill, D for decode)",
     )
     bullet.add_argument("--slo-ttft-per-token-ms", type=float, default=3.0)
+    bullet.add_argument(
+        "--slo-ttft-base-ms",
+        type=float,
+        default=0.0,
+        help="a fixed part of the TTFT SLO: a prompt of n tokens has base + n x per-token",
+    )
     bullet.add_argument("--slo-tpot-ms", type=float, default=150.0)
     bullet.add_argument(
         "--prefill-layers-per-step",

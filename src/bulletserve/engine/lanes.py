@@ -3,8 +3,10 @@ and the KV pool, each running on the units the scheduler gives it at every step.
 
 Each lane loops: under the state lock, take a snapshot and ask the policy for a plan, apply its
 bookkeeping; release the lock and run the model on the lane's units; retake the lock to sample
-and publish outputs. Blocks of a request that a lane is computing are freed only after that
-lane's step ends, so an abort never hands out memory a kernel is still writing.
+and publish outputs. A step starts only on units the other lane's running step does not hold:
+when the split moves units to a lane, that lane waits for the other's step to end. Blocks of a
+request that a lane is computing are freed only after that lane's step ends, so an abort never
+hands out memory a kernel is still writing.
 """
 
 from __future__ import annotations
@@ -62,12 +64,13 @@ class LanedEngine(LLMEngine):
         super().__init__(config)
         self._state = threading.Condition(threading.RLock())
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
-        self._latency = LatencyWindow()
         self._prefill: PrefillBatch | None = None
         self._busy: set[str] = set()  # requests some lane is computing right now
+        self._computing = {"prefill": 0, "decode": 0}  # units each lane's running step holds
         self.split = Split(0, self.units.total)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._latency = LatencyWindow(self.policy.slo)
         self._step_log = open(config.step_log, "a") if config.step_log else None
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
         self.lane_error: BaseException | None = None
@@ -84,7 +87,11 @@ class LanedEngine(LLMEngine):
             perf=self.perf,
             units=UnitSpace(self.units.total, self.units.granularity, self.units.min_units),
             num_layers=self.model_config.num_layers,
-            slo=Slo(self.config.slo_ttft_per_token_ms / 1e3, self.config.slo_tpot_ms / 1e3),
+            slo=Slo(
+                self.config.slo_ttft_per_token_ms / 1e3,
+                self.config.slo_tpot_ms / 1e3,
+                self.config.slo_ttft_base_ms / 1e3,
+            ),
             layers_per_step=self.config.prefill_layers_per_step,
             partition=mode,
             static_split=static,
@@ -192,7 +199,10 @@ class LanedEngine(LLMEngine):
             now=time.monotonic(),
             waiting=tuple(_view(r) for r in self.waiting),
             prefill=prefill,
-            decoding=tuple(_view(r) for r in self.running if r.request_id not in self._busy),
+            # Every decoding request, those in the decode lane's running step too: the prefill
+            # lane must see that decode has work, or its split would claim the decode lane's
+            # units and wait for them while decode keeps stepping.
+            decoding=tuple(_view(r) for r in self.running),
             free_blocks=self.pool.allocator.num_free,
             block_size=self.pool.block_size,
             max_num_seqs=self.config.max_num_seqs,
@@ -213,7 +223,7 @@ class LanedEngine(LLMEngine):
         if state is RequestState.FINISHED and t.first_token is not None:
             outputs = len(request.output_token_ids)
             tpot = (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
-            self._latency.add((t.first_token - t.arrival) / len(request.prompt_token_ids), tpot)
+            self._latency.add(t.first_token - t.arrival, len(request.prompt_token_ids), tpot)
 
     def _publish(self, requests: list[Request]) -> None:
         for request in requests:
@@ -225,18 +235,39 @@ class LanedEngine(LLMEngine):
         busy = self.waiting or self.running or self._prefill is not None
         self._state.wait(timeout=IDLE_WAIT_S if busy else 0.5)
 
+    def _share(self, lane: str, split: Split) -> int:
+        """The units a lane's step runs on under `split`: prefill on its units, decode on the
+        rest; with no prefill units (or no partitioning) a lane has the whole device."""
+        if self.policy.partition == "none" or split.prefill == 0:
+            return self.units.total
+        return split.prefill if lane == "prefill" else self.units.total - split.prefill
+
+    def _may_start(self, lane: str, split: Split) -> bool:
+        """Whether the lane's step fits beside the other lane's running step. A step keeps its
+        units until it ends: a lane that the new split gives more waits for them rather than
+        oversubscribing the device (on a CPU two thread teams on one core stall each other at
+        every barrier). Without partitioning, both lanes share every unit by design."""
+        other = "decode" if lane == "prefill" else "prefill"
+        if self.policy.partition == "none":
+            return True
+        return self._share(lane, split) + self._computing[other] <= self.units.total
+
     @contextlib.contextmanager
     def _units(self, lane: str, split: Split) -> Iterator[None]:
-        """Run the body on the lane's share: prefill on its units, decode on the rest."""
-        if self.policy.partition == "none" or split.prefill == 0:
-            with self.units.lane(self.units.total):
-                yield
-        elif lane == "prefill":
-            with self.units.lane(split.prefill):
-                yield
-        else:
-            with self.units.lane(self.units.total - split.decode, rest=True):
-                yield
+        """Run the body on the lane's share (claimed in `_computing` under the state lock when
+        the step was planned), and release it when the body ends."""
+        share = self._share(lane, split)
+        try:
+            if lane == "decode" and share < self.units.total:
+                with self.units.lane(self.units.total - share, rest=True):
+                    yield
+            else:
+                with self.units.lane(share):
+                    yield
+        finally:
+            with self._state:
+                self._computing[lane] = 0
+                self._state.notify_all()
 
     def _execution_state(
         self,
@@ -284,9 +315,14 @@ class LanedEngine(LLMEngine):
             with self._state:
                 plan = self.policy.plan_prefill(self._snapshot())
                 self.split = plan.split
-                if plan.prefill is None or plan.split.prefill == 0:
+                if (
+                    plan.prefill is None
+                    or plan.split.prefill == 0
+                    or not self._may_start("prefill", plan.split)
+                ):
                     self._wait()
                     continue
+                self._computing["prefill"] = self._share("prefill", plan.split)
                 if plan.prefill.admitted:
                     self._admit(plan)
                 batch = self._prefill
@@ -371,9 +407,14 @@ class LanedEngine(LLMEngine):
                 plan = self.policy.plan_decode(self._snapshot())
                 self.split = plan.split
                 self._apply_preemptions(plan)
-                if not plan.decode or plan.split.decode == 0:
+                if (
+                    not plan.decode
+                    or plan.split.decode == 0
+                    or not self._may_start("decode", plan.split)
+                ):
                     self._wait()
                     continue
+                self._computing["decode"] = self._share("decode", plan.split)
                 by_id = {r.request_id: r for r in self.running}
                 requests = [by_id[s.request_id] for s in plan.decode]
                 for request in requests:

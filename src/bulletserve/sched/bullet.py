@@ -56,34 +56,42 @@ class UnitSpace:
 
 @dataclass(frozen=True)
 class Slo:
-    ttft_per_token_s: float  # normalized TTFT: TTFT divided by the prompt's tokens
+    """A prompt of n tokens should see its first token within ttft_base_s + n *
+    ttft_per_token_s (the paper's SLO has no fixed part), and each later one within tpot_s."""
+
+    ttft_per_token_s: float
     tpot_s: float
+    ttft_base_s: float = 0.0
+
+    def ttft_s(self, prompt_tokens: int) -> float:
+        return self.ttft_base_s + self.ttft_per_token_s * prompt_tokens
 
 
 @dataclass(frozen=True)
 class LatencyStats:
     """P90s over a sliding window of recent requests; None until there is data."""
 
-    p90_ttft_per_token_s: float | None = None
+    p90_ttft_over_slo: float | None = None  # TTFT as a fraction of the request's TTFT SLO
     p90_tpot_s: float | None = None
 
 
 class LatencyWindow:
-    """P90 normalized TTFT and TPOT over the last STATS_WINDOW finished requests; the engine
-    and the simulator feed it the same way."""
+    """P90 TTFT (over each request's own TTFT SLO) and TPOT over the last STATS_WINDOW
+    finished requests; the engine and the simulator feed it the same way."""
 
-    def __init__(self) -> None:
-        self.ttft_per_token: deque[float] = deque(maxlen=STATS_WINDOW)
+    def __init__(self, slo: Slo) -> None:
+        self.slo = slo
+        self.ttft_over_slo: deque[float] = deque(maxlen=STATS_WINDOW)
         self.tpot: deque[float] = deque(maxlen=STATS_WINDOW)
 
-    def add(self, ttft_per_token_s: float, tpot_s: float | None) -> None:
+    def add(self, ttft_s: float, prompt_tokens: int, tpot_s: float | None) -> None:
         """One finished request; tpot_s is None when it produced a single token."""
-        self.ttft_per_token.append(ttft_per_token_s)
+        self.ttft_over_slo.append(ttft_s / self.slo.ttft_s(prompt_tokens))
         if tpot_s is not None:
             self.tpot.append(tpot_s)
 
     def stats(self) -> LatencyStats:
-        return LatencyStats(_p90(self.ttft_per_token), _p90(self.tpot))
+        return LatencyStats(_p90(self.ttft_over_slo), _p90(self.tpot))
 
 
 def _p90(values: deque[float]) -> float | None:
@@ -256,9 +264,7 @@ class BulletPolicy:
         d_min = self._fewest_decode_units(lens, decode_ctx, layers)
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
-        ttft_ok = (
-            stats.p90_ttft_per_token_s is None or stats.p90_ttft_per_token_s <= slo.ttft_per_token_s
-        )
+        ttft_ok = stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0
         at_risk = any(self.at_risk(s, snap.now) for s in prefill_batch)
         # A burst: prefill takes the device while TPOT still holds. On a GPU the lanes gain from
         # running together, so only an at-risk prefill pauses decode; on a CPU co-running is
@@ -323,7 +329,7 @@ class BulletPolicy:
         return self.perf.predict(es).prefill_s
 
     def at_risk(self, seq: SeqView, now: float) -> bool:
-        budget = self.slo.ttft_per_token_s * seq.num_remaining
+        budget = self.slo.ttft_s(seq.num_remaining)
         waited = now - seq.arrival_time
         return waited + self.predicted_prefill_s(seq.num_remaining) >= RISK_SHARE * budget
 
@@ -333,7 +339,7 @@ class BulletPolicy:
         at_risk = [s for s in snap.waiting if self.at_risk(s, snap.now)]
         risky = {s.request_id for s in at_risk}
         rest = [s for s in snap.waiting if s.request_id not in risky]
-        at_risk.sort(key=lambda s: s.arrival_time + self.slo.ttft_per_token_s * s.num_remaining)
+        at_risk.sort(key=lambda s: s.arrival_time + self.slo.ttft_s(s.num_remaining))
         rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
         return at_risk + rest
 

@@ -71,10 +71,9 @@ class LanedSimulator:
         self.total = policy.units.total
         self.num_layers = policy.num_layers
         self.split = Split(0, self.total)
-        self.window = LatencyWindow()
+        self.window = LatencyWindow(policy.slo)
         self.prefill_batch: list[SimRequest] | None = None
         self.layers_done = 0
-        self.busy: set[str] = set()
         self.steps: dict[str, LaneStep | None] = dict.fromkeys(LANES)
         self.wake_at: dict[str, float | None] = dict.fromkeys(LANES)  # None: not waiting
         self.ready = set(LANES)
@@ -135,12 +134,11 @@ class LanedSimulator:
         prefill = None
         if self.prefill_batch is not None:
             prefill = PrefillInFlight(tuple(r.view() for r in self.prefill_batch), self.layers_done)
-        busy = self.busy
         return BulletSnapshot(
             now=now,
             waiting=tuple(r.view() for r in self.state.waiting),
             prefill=prefill,
-            decoding=tuple(r.view() for r in self.state.running if r.request_id not in busy),
+            decoding=tuple(r.view() for r in self.state.running),
             free_blocks=self.state.allocator.num_free,
             block_size=self.state.block_size,
             max_num_seqs=self.max_num_seqs,
@@ -157,26 +155,34 @@ class LanedSimulator:
             if plan.prefill is None or plan.split.prefill == 0:
                 self._wait(lane, now, time_dependent=plan.prefill is not None)
                 return
+            units = plan.split.prefill or self.total
+            if not self._fits(lane, units):
+                self._wait(lane, now, time_dependent=False)
+                return
             if plan.prefill.admitted:
                 self._admit(plan.prefill.admitted)
             assert self.prefill_batch is not None
             layers = (plan.prefill.layer_start, plan.prefill.layer_end)
-            units = plan.split.prefill or self.total
             self._start(lane, LaneStep(self.prefill_batch, units, self.noise.factor(), now, layers))
             return
         plan = self.policy.plan_decode(self._snapshot(now))
         self.split = plan.split
         self.state.apply_preemptions(plan.preempted)
-        if not plan.decode or plan.split.decode == 0:
+        units = plan.split.decode or self.total
+        if not plan.decode or plan.split.decode == 0 or not self._fits(lane, units):
             self._wait(lane, now, time_dependent=bool(plan.decode))
             return
         by_id = {r.request_id: r for r in self.state.running}
         requests = [by_id[s.request_id] for s in plan.decode]
         for request in requests:
             self.state.grow_blocks(request, request.num_tokens)
-        self.busy.update(r.request_id for r in requests)
-        units = plan.split.decode or self.total
         self._start(lane, LaneStep(requests, units, self.noise.factor(), now))
+
+    def _fits(self, lane: str, units: int) -> bool:
+        """As the engine's lanes do: a step starts only on units the other lane's running step
+        does not hold (without partitioning both lanes share every unit)."""
+        other = self.steps["decode" if lane == "prefill" else "prefill"]
+        return self.policy.partition == "none" or other is None or units + other.units <= self.total
 
     def _admit(self, admitted: tuple[str, ...]) -> None:
         ids = set(admitted)
@@ -186,7 +192,6 @@ class LanedSimulator:
             self.state.grow_blocks(request, request.num_tokens)
         self.prefill_batch = requests
         self.layers_done = 0
-        self.busy.update(ids)
 
     # ---- step timing ------------------------------------------------------------------------
 
@@ -248,7 +253,6 @@ class LanedSimulator:
                 self._finish_prefill(now)
         else:
             record["tokens"] = len(step.requests)
-            self.busy.difference_update(r.request_id for r in step.requests)
             for request in step.requests:
                 request.num_computed_tokens = request.num_tokens
                 if self.state.append_token(request, now):
@@ -262,11 +266,10 @@ class LanedSimulator:
         if not times or request.finished_at is None:
             return
         tpot = (request.finished_at - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        self.window.add((times[0] - request.arrival) / request.input_len, tpot)
+        self.window.add(times[0] - request.arrival, request.input_len, tpot)
 
     def _finish_prefill(self, now: float) -> None:
         batch, self.prefill_batch = self.prefill_batch or [], None
-        self.busy.difference_update(r.request_id for r in batch)
         for request in batch:
             request.num_computed_tokens = request.num_tokens
             self.state.running.append(request)

@@ -126,7 +126,11 @@ def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
             perf=env.perf,
             units=UnitSpace(hw.units, hw.unit_granularity, hw.min_units),
             num_layers=env.model.num_layers,
-            slo=Slo(config.slo.ttft_per_token_ms / 1e3, config.slo.tpot_ms / 1e3),
+            slo=Slo(
+                config.slo.ttft_per_token_ms / 1e3,
+                config.slo.tpot_ms / 1e3,
+                config.slo.ttft_base_ms / 1e3,
+            ),
             layers_per_step=config.prefill_layers_per_step,
             partition=config.partition,
             static_split=static,
