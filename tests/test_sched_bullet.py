@@ -188,20 +188,24 @@ def test_decode_gets_fewest_units_that_keep_tpot():
 
 
 def test_cpu_prefill_takes_the_device_while_tpot_holds():
-    """Co-running is zero-sum on a CPU: a prefill that decode can wait out gets every thread,
-    at risk or not; on a GPU the same (not at risk) prefill shares the device."""
+    """Co-running is zero-sum on a CPU: a prefill gets every thread, at risk or not and however
+    long, while the window's P90 TPOT holds; once TPOT misses, decode gets units back. On a GPU
+    the same (not at risk) prefill shares the device."""
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
-    waiting = (SeqView("w", 99.99, 64, 0, 0),)  # just arrived: far from its TTFT deadline
 
-    def snap(total: int) -> BulletSnapshot:
+    def snap(total: int, prompt: int, p90_tpot_s: float) -> BulletSnapshot:
+        waiting = (SeqView("w", 99.99, prompt, 0, 0),)  # just arrived: far from its deadline
         half = Split(total // 2, total // 2)
-        stats = LatencyStats(1e-3, 0.05)
+        stats = LatencyStats(0.5, p90_tpot_s)
         return BulletSnapshot(100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, half)
 
     cpu, gpu = POLICIES["cpu"], POLICIES["h100"]
-    assert not cpu.at_risk(waiting[0], 100.0)
-    assert cpu.plan_prefill(snap(2)).split == Split(2, 0)
-    assert gpu.plan_prefill(snap(132)).split.decode > 0
+    assert not cpu.at_risk(SeqView("w", 99.99, 64, 0, 0), 100.0)
+    assert cpu.plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
+    assert cpu.plan_prefill(snap(2, 2000, 0.05)).split == Split(2, 0)
+    assert cpu.plan_decode(snap(2, 2000, 0.05)).split == Split(2, 0)
+    assert cpu.plan_prefill(snap(2, 64, 0.2)).split.decode > 0
+    assert gpu.plan_prefill(snap(132, 64, 0.05)).split.decode > 0
 
 
 def test_static_and_none_partitions():

@@ -267,11 +267,14 @@ class BulletPolicy:
         ttft_ok = stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0
         at_risk = any(self.at_risk(s, snap.now) for s in prefill_batch)
         # A burst: prefill takes the device while TPOT still holds. On a GPU the lanes gain from
-        # running together, so only an at-risk prefill pauses decode; on a CPU co-running is
-        # zero-sum (each lane runs at its share of the cores), so a full-speed prefill costs
-        # decode nothing it would not lose anyway, and halves the prompt's TTFT.
-        zero_sum = self.perf.hw.kind == "cpu"
-        if (at_risk or zero_sum) and tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
+        # running together, so only an at-risk prefill pauses decode, and only when decode can
+        # wait out the step within one TPOT. On a CPU co-running is zero-sum (each lane runs at
+        # its share of the cores: one thread of two runs a prefill at half speed), so a
+        # full-speed prefill costs decode nothing it would not lose anyway; it goes first while
+        # the window's P90 TPOT holds, and the split below protects TPOT once it does not.
+        if tpot_ok and self.perf.hw.kind == "cpu":
+            return Split(total, 0)
+        if at_risk and tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
             return Split(total, 0)
         if not ttft_ok and not tpot_ok:
             decode_units = self._round_down(total // 2) or self.units.counts()[0]
