@@ -292,7 +292,11 @@ class LanedEngine(LLMEngine):
             prefill_first_layer=layer_start,
         )
 
-    def _log_step(self, lane: str, es: ExecutionState, measured: float, **fields) -> None:
+    def _log_step(
+        self, lane: str, split: Split, es: ExecutionState, measured: float, **fields
+    ) -> None:
+        """Feed the online correction and write the step log; `split` is the one the step ran
+        under (the other lane may have planned a new one since)."""
         prediction = self.perf.predict(es)
         predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
         self.perf.observe(es, lane, measured)
@@ -302,7 +306,7 @@ class LanedEngine(LLMEngine):
             record = {
                 "time": time.monotonic(),
                 "lane": lane,
-                "split": [self.split.prefill, self.split.decode],
+                "split": [split.prefill, split.decode],
             }
             record |= fields | {"predicted_s": predicted, "measured_s": measured}
             self._step_log.write(json.dumps(record) + "\n")
@@ -354,6 +358,7 @@ class LanedEngine(LLMEngine):
                 )
                 self._log_step(
                     "prefill",
+                    plan.split,
                     es,
                     measured,
                     batch_size=len(batch.requests),
@@ -442,7 +447,12 @@ class LanedEngine(LLMEngine):
                     plan.split, prefill_lens, tuple(r.num_tokens for r in requests)
                 )
                 self._log_step(
-                    "decode", es, measured, batch_size=len(requests), tokens=len(requests)
+                    "decode",
+                    plan.split,
+                    es,
+                    measured,
+                    batch_size=len(requests),
+                    tokens=len(requests),
                 )
                 live = []
                 for row, request in enumerate(requests):
