@@ -190,3 +190,12 @@ def test_prompt_too_long_is_rejected_and_engine_stays_usable(tiny_llama_dir):
         llm.generate([[5] * 4, [5] * 40], GREEDY)
     assert not llm.engine.has_unfinished()
     assert len(llm.generate([[5] * 4], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_a_vanishing_temperature_samples_the_argmax(tiny_llama_dir):
+    """Logits over a temperature of 1e-300 (0 in float32) overflow, leaving no finite
+    probability: the draw falls back to the argmax, the limit as the temperature goes to 0."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
+    prompt = random_prompts(1, seed=15)[0]
+    tiny = SamplingParams(max_tokens=12, temperature=1e-300, seed=1, ignore_eos=True)
+    assert llm.generate([prompt], tiny)[0].token_ids == llm.generate([prompt], GREEDY)[0].token_ids

@@ -23,3 +23,9 @@ def test_unnormalized_rows_and_the_ends_of_the_unit_interval():
     for u, expected in ((0.0, [1, 0]), (0.25 - 1e-9, [1, 0]), (0.25, [3, 0]), (1.0, [3, 0])):
         uniforms = torch.full((2, 1), u, dtype=torch.float64)
         assert _inverse_cdf(probs, uniforms).tolist() == expected
+
+
+def test_a_row_without_finite_mass_still_gives_a_valid_id():
+    probs = torch.tensor([[float("nan")] * 4, [0.0, 1.0, 0.0, 0.0]])
+    picks = _inverse_cdf(probs, torch.full((2, 1), 0.5, dtype=torch.float64))
+    assert 0 <= picks[0] < 4 and picks[1] == 1

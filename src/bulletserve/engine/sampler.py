@@ -40,7 +40,11 @@ class Sampler:
             uniforms = torch.empty(len(random_rows), 1, dtype=torch.float64)
             for k, i in enumerate(random_rows):
                 uniforms[k].uniform_(generator=requests[i].generator or self._generator)
-            tokens[rows] = _inverse_cdf(probs, uniforms)
+            drawn = _inverse_cdf(probs, uniforms)
+            # A temperature so small that the scaled logits overflow leaves no finite mass: take
+            # the argmax, the limit of sampling as the temperature goes to 0.
+            finite = torch.isfinite(probs).all(dim=-1)
+            tokens[rows] = torch.where(finite, drawn, tokens[rows])
         token_list = tokens.tolist()
         results: list[TokenLogprob | None] = []
         for row, request in enumerate(requests):
@@ -82,5 +86,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     picks = torch.searchsorted(cdf, uniforms * total, right=True)
-    # u * total can round up to total itself: take the last entry with any mass instead.
-    return torch.minimum(picks, torch.searchsorted(cdf, total)).squeeze(1)
+    # u * total can round up to total itself: take the last entry with any mass instead. A row
+    # without finite mass (logits that overflowed to inf give NaN) still yields a valid id.
+    last = torch.searchsorted(cdf, total)
+    return torch.minimum(picks, last).clamp_(max=probs.shape[-1] - 1).squeeze(1)
