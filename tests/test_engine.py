@@ -7,6 +7,7 @@ import random
 import pytest
 
 from bulletserve import LLM, SamplingParams
+from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
@@ -199,3 +200,20 @@ def test_a_vanishing_temperature_samples_the_argmax(tiny_llama_dir):
     prompt = random_prompts(1, seed=15)[0]
     tiny = SamplingParams(max_tokens=12, temperature=1e-300, seed=1, ignore_eos=True)
     assert llm.generate([prompt], tiny)[0].token_ids == llm.generate([prompt], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"slo_ttft_per_token_ms": 0.5}, None),
+        ({"slo_ttft_per_token_ms": 0}, "--slo-ttft-per-token-ms must be > 0"),
+        ({"slo_tpot_ms": -1.0}, "--slo-tpot-ms must be > 0"),
+        ({"slo_ttft_base_ms": -1.0}, "--slo-ttft-base-ms must be >= 0"),
+    ],
+)
+def test_slo_settings_are_checked(settings, message):
+    if message is None:
+        assert EngineConfig(**settings).slo_ttft_per_token_ms == 0.5  # sub-millisecond is fine
+        return
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)

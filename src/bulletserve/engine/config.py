@@ -36,11 +36,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
         positive += ["max_model_len", "chunked_prefill_size", "num_threads"]
-        positive += ["prefill_layers_per_step", "slo_ttft_per_token_ms", "slo_tpot_ms"]
+        positive += ["prefill_layers_per_step"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name in ("slo_ttft_per_token_ms", "slo_tpot_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
+                )
         if not self.slo_ttft_base_ms >= 0:
             raise ValueError(f"--slo-ttft-base-ms must be >= 0, got {self.slo_ttft_base_ms}")
         if self.policy not in POLICIES:
