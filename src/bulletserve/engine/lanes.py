@@ -229,10 +229,11 @@ class LanedEngine(LLMEngine):
         for request in requests:
             self._outputs.put(self._output(request))
 
-    def _wait(self, poll: bool) -> None:
-        """Sleep until notified (arrivals, aborts and the end of either lane's step notify);
-        with `poll`, wake every IDLE_WAIT_S too, for decisions that change with time alone."""
-        self._state.wait(timeout=IDLE_WAIT_S if poll else 0.5)
+    def _wait(self) -> None:
+        """Sleep until notified; poll quickly while work exists (a paused lane), slowly when
+        there is none."""
+        busy = self.waiting or self.running or self._prefill is not None
+        self._state.wait(timeout=IDLE_WAIT_S if busy else 0.5)
 
     def _share(self, lane: str, split: Split) -> int:
         """The units a lane's step runs on under `split`: prefill on its units, decode on the
@@ -323,10 +324,7 @@ class LanedEngine(LLMEngine):
                     or plan.split.prefill == 0
                     or not self._may_start("prefill", plan.split)
                 ):
-                    # Only a waiting prompt's risk changes with time; otherwise a notification
-                    # (an arrival, a step's end) is what can change the plan. Polling during pure
-                    # decoding cost the decode lane the lock and the GIL every 5 ms.
-                    self._wait(poll=bool(self.waiting) or self._prefill is not None)
+                    self._wait()
                     continue
                 self._computing["prefill"] = self._share("prefill", plan.split)
                 if plan.prefill.admitted:
@@ -419,7 +417,7 @@ class LanedEngine(LLMEngine):
                     or plan.split.decode == 0
                     or not self._may_start("decode", plan.split)
                 ):
-                    self._wait(poll=bool(self.waiting or self.running or self._prefill))
+                    self._wait()
                     continue
                 self._computing["decode"] = self._share("decode", plan.split)
                 by_id = {r.request_id: r for r in self.running}
