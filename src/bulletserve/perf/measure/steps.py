@@ -154,11 +154,11 @@ class StepBench:
         best = [[math.inf, math.inf] for _ in states]
         for round_ in range(repeats + 1):
             for i, es in enumerate(states):
+                both = es.has_prefill and es.has_decode
+                if both and round_ == 0:
+                    continue
                 prefill, decode = self.state_works(es)
-                if es.has_prefill and es.has_decode:
-                    if round_ == 0:
-                        self._free(prefill + decode)
-                        continue
+                if both:
                     times = self.corun(prefill, es.prefill_units, decode, 2)
                 elif es.has_prefill:
                     times = (self._once(prefill, es.prefill_units),)
