@@ -88,11 +88,8 @@ def summary_table(run: RunResult) -> str:
     if "slo" in s:
         slo = s["slo"]
         base = slo.get("ttft_base_ms") or 0.0
-        ttft = (
-            f"{base:g} ms + {slo['ttft_per_token_ms']:g} ms/token"
-            if base
-            else (f"{slo['ttft_per_token_ms']:g} ms/token")
-        )
+        per_token = f"{slo['ttft_per_token_ms']:g} ms/token"
+        ttft = f"{base:g} ms + {per_token}" if base else per_token
         title = f"SLO: TTFT {ttft}, TPOT {slo['tpot_ms']:g} ms"
         lines.append(title.center(_WIDTH, "-"))
         attained = slo["attainment"]

@@ -247,9 +247,9 @@ class LanedEngine(LLMEngine):
         units until it ends: a lane that the new split gives more waits for them rather than
         oversubscribing the device (on a CPU two thread teams on one core stall each other at
         every barrier). Without partitioning, both lanes share every unit by design."""
-        other = "decode" if lane == "prefill" else "prefill"
         if self.policy.partition == "none":
             return True
+        other = "decode" if lane == "prefill" else "prefill"
         return self._share(lane, split) + self._computing[other] <= self.units.total
 
     @contextlib.contextmanager
@@ -259,7 +259,8 @@ class LanedEngine(LLMEngine):
         share = self._share(lane, split)
         try:
             if lane == "decode" and share < self.units.total:
-                with self.units.lane(self.units.total - share, rest=True):
+                # The units the prefill group leaves (on a GPU, the disjoint remainder).
+                with self.units.lane(split.prefill, rest=True):
                     yield
             else:
                 with self.units.lane(share):

@@ -261,11 +261,9 @@ class BulletPolicy:
         if step is not None and step.layer_end >= self.num_layers:
             # The batch joins decode after this step: size decode for the batch it will have.
             decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
-        d_min = self._fewest_decode_units(lens, decode_ctx, layers)
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
         ttft_ok = stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0
-        at_risk = any(self.at_risk(s, snap.now) for s in prefill_batch)
         # A burst: prefill takes the device while TPOT still holds. On a GPU the lanes gain from
         # running together, so only an at-risk prefill pauses decode, and only when decode can
         # wait out the step within one TPOT. On a CPU co-running is zero-sum (each lane runs at
@@ -274,15 +272,18 @@ class BulletPolicy:
         # the window's P90 TPOT holds, and the split below protects TPOT once it does not.
         if tpot_ok and self.perf.hw.kind == "cpu":
             return Split(total, 0)
-        if at_risk and tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
+        at_risk = tpot_ok and any(self.at_risk(s, snap.now) for s in prefill_batch)
+        if at_risk and self._decode_can_pause(lens, decode_ctx, layers):
             return Split(total, 0)
         if not ttft_ok and not tpot_ok:
             decode_units = self._round_down(total // 2) or self.units.counts()[0]
-        elif tpot_ok:
-            decode_units = d_min
         else:
-            grown = snap.split.decode + self.units.granularity
-            decode_units = min(total, max(d_min, self._round_down(grown)))
+            d_min = self._fewest_decode_units(lens, decode_ctx, layers)
+            if tpot_ok:
+                decode_units = d_min
+            else:
+                grown = snap.split.decode + self.units.granularity
+                decode_units = min(total, max(d_min, self._round_down(grown)))
         if total - decode_units < self.units.minimum:
             decode_units = total  # too little would be left to run a prefill on
         return Split(total - decode_units, decode_units)
