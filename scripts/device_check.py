@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -32,9 +34,12 @@ from bulletserve.perf.measure.steps import StepBench
 def _rows(title: str, rows: list[dict]) -> None:
     print(f"\n== {title}")
     if rows:
-        keys = list(rows[0])
+        keys = list(next((r for r in rows if "error" not in r), rows[0]))
         print(" | ".join(f"{k:>14}" for k in keys))
         for row in rows:
+            if "error" in row:
+                print(f"  FAILED {row}")
+                continue
             print(
                 " | ".join(
                     f"{row[k]:>14.4g}" if isinstance(row[k], float) else f"{row[k]!s:>14}"
@@ -124,6 +129,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(server: subprocess.Popen, port: int, deadline: float) -> None:
+    """Poll /health until the server answers; raise if it exits or the deadline passes."""
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} (see its log)")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError("the server did not become healthy in time")
+
+
 def stage_bench(args, out: Path) -> list[dict]:
     rows = []
     base = [sys.executable, "-m", "bulletserve.cli"]
@@ -150,7 +168,8 @@ def stage_bench(args, out: Path) -> list[dict]:
                 "--step-log",
                 str(out / f"steps-{label}.jsonl"),
             ]
-            + policy,
+            + policy
+            + (["--tokenizer", args.tokenizer] if args.tokenizer else []),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -176,18 +195,20 @@ def stage_bench(args, out: Path) -> list[dict]:
                 "--slo-tpot-ms",
                 "150",
             ]
-            deadline = time.time() + 600
-            while time.time() < deadline and server.poll() is None:
-                probe = subprocess.run(
-                    ["curl", "-sf", f"http://127.0.0.1:{port}/health"], capture_output=True
-                )
-                if probe.returncode == 0:
-                    break
-                time.sleep(2)
+            if args.tokenizer:
+                command += ["--tokenizer", args.tokenizer]
+            try:
+                _wait_healthy(server, port, deadline=time.time() + 300)
+            except RuntimeError as exc:
+                rows.append({"policy": label, "error": str(exc)})
+                continue
             result = subprocess.run(
                 command, capture_output=True, text=True, timeout=args.bench_timeout
             )
             (out / f"bench-{label}.txt").write_text(result.stdout + result.stderr)
+            if result.returncode != 0:
+                rows.append({"policy": label, "error": result.stderr.strip()[-300:]})
+                continue
             data = json.loads((out / f"bench-{label}.json").read_text())
             for run in data["runs"]:
                 s = run["summary"]
@@ -226,21 +247,29 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--rates", default="10,20")
     parser.add_argument("--bench-timeout", type=int, default=200)
+    parser.add_argument(
+        "--tokenizer", default=None, help="a tokenizer folder (where the default model is absent)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     units = unit_provider(torch.device(args.device))
-    report = {}
+    report_file = args.out / "device_check.json"
+    report = json.loads(report_file.read_text()) if report_file.exists() else {}
     for stage in args.stages:
         started = time.time()
-        if stage == "splits":
-            rows = stage_splits(args, units)
-        elif stage == "steps":
-            rows = stage_steps(args, units)
-        else:
-            rows = stage_bench(args, args.out)
+        try:
+            if stage == "splits":
+                rows = stage_splits(args, units)
+            elif stage == "steps":
+                rows = stage_steps(args, units)
+            else:
+                rows = stage_bench(args, args.out)
+        except Exception as exc:  # one failed stage must not hide the others' results
+            traceback.print_exc()
+            rows = [{"error": f"{type(exc).__name__}: {exc}"}]
         report[stage] = rows
         _rows(f"{stage} ({time.time() - started:.0f} s, {units.kind}, {units.total} units)", rows)
-        (args.out / "device_check.json").write_text(json.dumps(report, indent=2, default=str))
+        report_file.write_text(json.dumps(report, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
 # The lanes issue's GPU check, in one call on one H200 (under 8 minutes):
+#   tests -> tests/test_cuda.py (green contexts, the model and the lanes on a GPU);
 #   splits -> green-context GEMM scaling and disjointness; steps -> dummy Llama-3.1-8B bf16
 #   prefill/decode latency at three splits, alone and co-running; bench -> bullet vs chunked-1024
-#   at two rates through the real server. Prints one table; logs and JSON go to $OUT.
+#   at two rates through the real server. Prints one table; the logs, step logs and bench JSON go
+#   to $OUT/device-check.tgz, the printed output to $OUT/check.log.
 # The device has torch, CUDA and cuda-bindings but not the server's packages: carry them as
-# wheels in .whl/ (see /work/.library/device/README.md) and name .whl in the run's carry.
+# wheels in .whl/ (see /work/.library/device/README.md) and name .whl in the run's carry. Where
+# the embedded default model is not installed, a tokenizer folder in .device/tokenizer (carry
+# .device) stands in for it.
+# Stage sizes: BENCH_PROMPTS (default 100) and BENCH_RATES (default 8,16).
 set -uo pipefail
 OUT=${OUT:-device-check}
+WORK=$(mktemp -d)
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi -L 2>&1 | tee "$OUT/nvidia-smi.txt"
-timeout 150 python3 scripts/device_check.py splits steps --out "$OUT" 2>&1 | tee "$OUT/check.log"
-timeout 300 python3 scripts/device_check.py bench --out "$OUT" --num-prompts 150 --rates 8,16 2>&1 | tee -a "$OUT/check.log"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+TOKENIZER=()
+if [ -f .device/tokenizer/tokenizer_config.json ]; then
+  TOKENIZER=(--tokenizer "$PWD/.device/tokenizer")
+fi
+{
+  nvidia-smi -L
+  python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+  echo "== tests/test_cuda.py"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 40
+  timeout 120 python3 scripts/device_check.py splits steps --out "$WORK"
+  timeout 270 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" \
+    --num-prompts "${BENCH_PROMPTS:-100}" --rates "${BENCH_RATES:-8,16}" --bench-timeout 100
+} 2>&1 | tee "$OUT/check.log"
+tar czf "$OUT/device-check.tgz" -C "$WORK" .

@@ -217,3 +217,24 @@ def test_slo_settings_are_checked(settings, message):
         return
     with pytest.raises(ValueError, match=message):
         EngineConfig(**settings)
+
+
+def test_tokenizer_flag_takes_a_tokenizer_folder(tmp_path):
+    """`--tokenizer`: a folder of `save_pretrained` files stands in for the model's tokenizer
+    (how a dummy preset runs where the embedded model is not installed)."""
+    from bulletserve.model.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    load_tokenizer(None).save_pretrained(str(folder))
+    engine = LLMEngine(
+        EngineConfig(
+            model="tiny",
+            load_format="dummy",
+            tokenizer=str(folder),
+            dtype="float32",
+            max_model_len=64,
+            device="cpu",
+        )
+    )
+    assert engine.tokenizer.name_or_path == str(folder)
+    assert engine.tokenize("hello world") == load_tokenizer(None).encode("hello world")

@@ -13,6 +13,7 @@ from bulletserve.sched import POLICIES
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"
+    tokenizer: str | None = None  # a tokenizer or model folder; default: the model's own
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -76,6 +77,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="HF folder, .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
     )
     group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer (or model) folder or .gguf file to use instead of the model's own "
+        "(dummy presets default to the embedded model's tokenizer)",
+    )
     group.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16 or float32")
     group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     group.add_argument("--seed", type=int, default=0)

@@ -53,7 +53,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype)
         self.source = resolve_model(config.model, config.load_format)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.source)
         self.max_model_len = (
             config.max_model_len or load_config(self.source).max_position_embeddings
         )

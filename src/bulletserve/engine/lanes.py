@@ -82,6 +82,12 @@ class LanedEngine(LLMEngine):
         mode, static = parse_partition(self.config.partition, self.units.total)
         if isinstance(self.units, WholeGPU):
             mode, static = "none", None
+        gran, least = self.units.granularity, self.units.min_units
+        if static is not None and (static.prefill % gran or static.prefill < least):
+            raise ValueError(
+                f"--partition {self.config.partition}: P must be a multiple of {gran} units "
+                f"and at least {least} on this device"
+            )
         self.perf = PerfModel(self.model_config, profile, dtype)
         return BulletPolicy(
             perf=self.perf,

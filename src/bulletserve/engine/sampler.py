@@ -22,10 +22,19 @@ class Sampler:
 
         `stop_ids[i]` are masked out while request i is below its `min_tokens`.
         """
+        masked = [
+            (row, ids)
+            for row, (request, ids) in enumerate(zip(requests, stop_ids, strict=True))
+            if len(request.output_token_ids) < request.params.min_tokens and ids
+        ]
+        plain = all(r.params.greedy and r.params.logprobs is None for r in requests)
+        if plain and not masked:
+            # Greedy rows need only their argmax: taken where the logits are, so a GPU sends
+            # back one id per row instead of the whole [N, vocab] matrix.
+            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
         logits = logits.float().cpu()
-        for row, (request, ids) in enumerate(zip(requests, stop_ids, strict=True)):
-            if len(request.output_token_ids) < request.params.min_tokens and ids:
-                logits[row, list(ids)] = float("-inf")
+        for row, ids in masked:
+            logits[row, list(ids)] = float("-inf")
         logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             logprobs = torch.log_softmax(logits, dim=-1)

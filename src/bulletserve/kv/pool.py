@@ -46,6 +46,8 @@ class KVPool:
         # torch.empty: pages of untouched blocks are never committed on a CPU.
         self.kv = torch.empty(shape, dtype=dtype, device=device)
         self.kv[:, :, :block_size].zero_()
+        if self.kv.is_cuda:
+            torch.cuda.synchronize(device)  # lanes' streams do not wait for the default stream
         self.layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(config.num_layers)]
 
     @property

@@ -70,6 +70,9 @@ def load_model(
         )
         model.load_hf_weights(_safetensors_weights(folder))
     model.use_fused_ops(fused_ops(dtype, device))
+    if device.type == "cuda":
+        # The lanes run on streams of their own, which do not wait for the default stream.
+        torch.cuda.synchronize(device)
     return model.eval()
 
 
@@ -83,7 +86,10 @@ def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.inference_mode()
 def _fill_random(model: DecoderLM, seed: int) -> None:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights drawn where they live: on a GPU the draw takes seconds for an 8B model,
+    where a CPU draw and copy would take minutes (so the values differ between devices)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -92,8 +98,8 @@ def _fill_random(model: DecoderLM, seed: int) -> None:
         else:
             # Filled a row block at a time so an 8B model never needs a second fp32 copy.
             for rows in torch.split(torch.arange(param.shape[0]), 4096):
-                block = torch.randn(len(rows), *param.shape[1:], generator=generator) * 0.02
-                param[rows[0] : rows[-1] + 1].copy_(block)
+                block = torch.randn(len(rows), *param.shape[1:], generator=generator, device=device)
+                param[rows[0] : rows[-1] + 1].copy_(block * 0.02)
 
 
 def _converted_gguf(gguf_file: Path) -> Path:

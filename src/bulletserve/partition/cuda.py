@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
 from bulletserve.partition.errors import UnitsUnavailableError
+
+
+class _ThreadStreams:
+    """One CUDA stream per OS thread, for a lane that runs on every SM: two lanes on the
+    default stream would run one after the other, never side by side."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._local = threading.local()
+
+    def current(self) -> torch.cuda.Stream:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self._device)
+        return stream
 
 
 class GreenContextSMs:
@@ -43,6 +59,7 @@ class GreenContextSMs:
         )
         self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._keep: list[object] = []  # green contexts must outlive their streams
+        self._whole = _ThreadStreams(device)
 
     def _check(self, result: tuple) -> object:
         err = result[0]
@@ -79,7 +96,8 @@ class GreenContextSMs:
     def lane(self, units: int, rest: bool = False) -> Iterator[None]:
         """Run the body on a green context of `units` SMs (`rest`: on the SMs left over)."""
         if units >= self.total and not rest:
-            yield
+            with torch.cuda.stream(self._whole.current()):
+                yield
             return
         group, remainder = self._split(units)
         with torch.cuda.stream(remainder if rest else group):
@@ -100,10 +118,13 @@ class WholeGPU:
         self.device = device
         self.total = torch.cuda.get_device_properties(device).multi_processor_count
         self.granularity = self.min_units = self.total
+        self._whole = _ThreadStreams(device)
 
     @contextlib.contextmanager
     def lane(self, units: int, rest: bool = False) -> Iterator[None]:
-        yield
+        """Run the body on every SM, on the calling thread's own stream."""
+        with torch.cuda.stream(self._whole.current()):
+            yield
 
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()

@@ -10,6 +10,12 @@ from bulletserve.partition import CpuThreads, GreenContextSMs
 from bulletserve.perf.measure.timing import time_call
 
 
+def _settle(device: torch.device) -> None:
+    """Finish the default stream's work: a lane's stream does not wait for it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def gemm_rate(
     units: CpuThreads | GreenContextSMs, n: int, dtype: torch.dtype, count: int, repeats: int
 ) -> float:
@@ -17,6 +23,7 @@ def gemm_rate(
     a = torch.randn(n, n, device=units.device).to(dtype)
     b = torch.randn(n, n, device=units.device).to(dtype)
     out = torch.empty(n, n, device=units.device, dtype=dtype)
+    _settle(units.device)
     with units.lane(count):
         seconds = time_call(lambda: torch.mm(a, b, out=out), units.synchronize, repeats)
     return 2.0 * n**3 / seconds
@@ -26,6 +33,7 @@ def bandwidth(units: CpuThreads | GreenContextSMs, nbytes: int, count: int, repe
     """Bytes/s of a large device-to-device copy (read + write) on `count` units."""
     src = torch.ones(nbytes // 4, device=units.device, dtype=torch.float32)
     dst = torch.empty_like(src)
+    _settle(units.device)
     with units.lane(count):
         seconds = time_call(lambda: dst.copy_(src), units.synchronize, repeats)
     return 2.0 * src.numel() * 4 / seconds
@@ -37,6 +45,7 @@ def bandwidth_corun(
     """Bytes/s of the copy on `count` units while a GEMM loop keeps the other units busy: the
     bandwidth a decode lane sees next to a prefill."""
     a = torch.randn(gemm_n, gemm_n, device=units.device).to(torch.bfloat16)
+    _settle(units.device)
     stop = threading.Event()
     started = threading.Event()
 

@@ -1,0 +1,119 @@
+"""The CUDA paths: green-context splits, the model on a GPU, and the lanes on SM groups.
+
+Skipped where CUDA is absent (CI); `scripts/device_check.sh` runs them on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from bulletserve import LLM, SamplingParams
+from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sms():
+    from bulletserve.partition import unit_provider
+
+    return unit_provider(torch.device("cuda"))
+
+
+def _gemm_rate(units, count: int, rest: bool = False, n: int = 4096, steps: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    with units.lane(count, rest=rest):
+        torch.mm(a, a)
+        units.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            torch.mm(a, a)
+        units.synchronize()
+        return steps * 2 * n**3 / (time.perf_counter() - start)
+
+
+def test_a_green_context_confines_a_gemm_to_its_sms(sms):
+    assert sms.total >= 2 * sms.granularity
+    small = sms.granularity * 2
+    whole = _gemm_rate(sms, sms.total)
+    confined = _gemm_rate(sms, small)
+    # A compute-bound GEMM on 16 of 132 SMs cannot reach half the whole GPU's rate.
+    assert confined < 0.5 * whole
+    assert _gemm_rate(sms, small, rest=True) > 2 * confined
+
+
+def test_two_lanes_on_disjoint_groups_run_side_by_side(sms):
+    half = sms.total // 2 // sms.granularity * sms.granularity
+    alone = _gemm_rate(sms, half)
+    rates: dict[bool, float] = {}
+
+    def run(rest: bool) -> None:
+        rates[rest] = _gemm_rate(sms, half, rest=rest, steps=20)
+
+    threads = [threading.Thread(target=run, args=(rest,)) for rest in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    # Disjoint SMs: the group keeps most of its alone rate while the rest runs beside it.
+    assert rates[False] > 0.7 * alone
+    assert rates[True] > 0.7 * alone
+
+
+def test_greedy_tokens_on_cuda_match_the_cpu(tiny_llama_dir):
+    prompts = random_prompts(4, seed=3)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, device=device)
+        outputs[device] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert outputs["cuda"] == outputs["cpu"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="prefill-first",
+        device="cuda",
+    )
+    return [o.token_ids for o in llm.generate(random_prompts(12, seed=21), GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"prefill_layers_per_step": 1},
+        {"partition": "none"},
+        {"partition": "static-half"},
+        {"prefill_layers_per_step": 1, "kv_cache_memory": str(16 * TINY_LLAMA_BLOCK_BYTES)},
+    ],
+    ids=["auto", "layer-groups", "none", "static", "preempting"],
+)
+def test_bullet_on_sm_groups_equals_prefill_first(tiny_llama_dir, reference, settings, sms):
+    if settings.get("partition") == "static-half":
+        half = sms.total // 2 // sms.granularity * sms.granularity
+        settings = {"partition": f"static:{half}/{sms.total - half}"}
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="bullet",
+        device="cuda",
+        **settings,
+    )
+    try:
+        outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
+        assert [o.token_ids for o in outputs] == reference
+        assert llm.engine.pool.allocator.num_used == 0
+    finally:
+        llm.engine.close()
