@@ -22,6 +22,7 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 TOKENIZER=()
 if [ -f .device/tokenizer/tokenizer_config.json ]; then
   TOKENIZER=(--tokenizer "$PWD/.device/tokenizer")
+  export BULLET_TEST_TOKENIZER="$PWD/.device/tokenizer"
 fi
 {
   nvidia-smi -L

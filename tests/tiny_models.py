@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -75,5 +76,7 @@ def make_hf_model(
         model.save_pretrained(folder, max_shard_size=max_shard_size)
     else:
         model.save_pretrained(folder)
-    load_tokenizer(None).save_pretrained(folder)
+    # BULLET_TEST_TOKENIZER: a tokenizer folder, where the embedded model is not installed
+    # (the GPU machine of scripts/device_check.sh).
+    load_tokenizer(os.environ.get("BULLET_TEST_TOKENIZER")).save_pretrained(folder)
     return model
