@@ -146,7 +146,11 @@ def stage_bench(args, out: Path) -> list[dict]:
     rows = []
     base = [sys.executable, "-m", "bulletserve.cli"]
     for label, policy in (
-        ("bullet", ["--policy", "bullet"]),
+        (
+            "bullet",
+            ["--policy", "bullet"]
+            + (["--hardware-profile", args.hardware_profile] if args.hardware_profile else []),
+        ),
         ("chunked-1024", ["--policy", "chunked", "--chunked-prefill-size", "1024"]),
     ):
         port = _free_port()
@@ -247,6 +251,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--rates", default="10,20")
     parser.add_argument("--bench-timeout", type=int, default=200)
+    parser.add_argument(
+        "--hardware-profile", default=None, help="a `bullet profile` JSON for the bullet server"
+    )
     parser.add_argument(
         "--tokenizer", default=None, help="a tokenizer folder (where the default model is absent)"
     )

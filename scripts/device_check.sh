@@ -3,7 +3,8 @@
 #   tests -> tests/test_cuda.py (green contexts, the model and the lanes on a GPU);
 #   splits -> green-context GEMM scaling and disjointness; steps -> dummy Llama-3.1-8B bf16
 #   prefill/decode latency at three splits, alone and co-running; bench -> bullet vs chunked-1024
-#   at two rates through the real server. Prints one table; the logs, step logs and bench JSON go
+#   at two rates through the real server, the bullet server on a `bullet profile --quick` of the
+#   device made first. Prints one table; the logs, step logs and bench JSON go
 #   to $OUT/device-check.tgz, the printed output to $OUT/check.log.
 # The device has torch, CUDA and cuda-bindings but not the server's packages: carry them as
 # wheels in .whl/ (see /work/.library/device/README.md) and name .whl in the run's carry. Where
@@ -30,7 +31,12 @@ fi
   echo "== tests/test_cuda.py"
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 40
   timeout 120 python3 scripts/device_check.py splits steps --out "$WORK"
-  timeout 270 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" \
+  echo "== bullet profile --quick (llama-3.1-8b, dummy weights)"
+  PROFILE=()
+  timeout 120 python3 -m bulletserve.cli profile --device cuda --model llama-3.1-8b \
+    --load-format dummy --quick --output "$OUT/h200-llama-3.1-8b.json" 2>&1 | tail -n 25 &&
+    PROFILE=(--hardware-profile "$OUT/h200-llama-3.1-8b.json")
+  timeout 240 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" "${PROFILE[@]}" \
     --num-prompts "${BENCH_PROMPTS:-100}" --rates "${BENCH_RATES:-8,16}" --bench-timeout 100
 } 2>&1 | tee "$OUT/check.log"
 tar czf "$OUT/device-check.tgz" -C "$WORK" .

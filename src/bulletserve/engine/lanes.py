@@ -82,16 +82,17 @@ class LanedEngine(LLMEngine):
         mode, static = parse_partition(self.config.partition, self.units.total)
         if isinstance(self.units, WholeGPU):
             mode, static = "none", None
-        gran, least = self.units.granularity, self.units.min_units
-        if static is not None and (static.prefill % gran or static.prefill < least):
+        space = UnitSpace(self.units.total, self.units.granularity, self.units.min_units)
+        if static is not None and not (static.prefill > 0 and space.is_valid(static.prefill)):
             raise ValueError(
-                f"--partition {self.config.partition}: P must be a multiple of {gran} units "
-                f"and at least {least} on this device"
+                f"--partition {self.config.partition}: P must be a multiple of "
+                f"{space.granularity} units (at least {space.minimum}) or what such a group "
+                "leaves on this device"
             )
         self.perf = PerfModel(self.model_config, profile, dtype)
         return BulletPolicy(
             perf=self.perf,
-            units=UnitSpace(self.units.total, self.units.granularity, self.units.min_units),
+            units=space,
             num_layers=self.model_config.num_layers,
             slo=Slo(
                 self.config.slo_ttft_per_token_ms / 1e3,

@@ -83,13 +83,23 @@ class GreenContextSMs:
         return torch.cuda.ExternalStream(int(stream), device=self.device)
 
     def _split(self, units: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """(stream on a group of exactly `units` SMs, stream on the other SMs). The driver
+        carves groups in multiples of the granularity; a count that is not one is the
+        remainder beside a group of `total - units` (the decode lane beside a prefill group)."""
         if units not in self._streams:
+            carved = units if units % self.granularity == 0 else self.total - units
+            if carved % self.granularity or not 0 < carved < self.total:
+                raise UnitsUnavailableError(
+                    f"cannot carve a green context of {units} SMs: neither it nor the "
+                    f"{self.total - units} beside it is a multiple of {self.granularity}"
+                )
             groups, count, rest = self._check(
-                self._driver.cuDevSmResourceSplitByCount(1, self._resource, 0, units)
+                self._driver.cuDevSmResourceSplitByCount(1, self._resource, 0, carved)
             )
-            if count < 1 or groups[0].sm.smCount != units:
-                raise UnitsUnavailableError(f"cannot carve a green context of {units} SMs")
-            self._streams[units] = (self._stream_for(groups[0]), self._stream_for(rest))
+            if count < 1 or groups[0].sm.smCount != carved:
+                raise UnitsUnavailableError(f"cannot carve a green context of {carved} SMs")
+            group, remainder = self._stream_for(groups[0]), self._stream_for(rest)
+            self._streams[units] = (group, remainder) if carved == units else (remainder, group)
         return self._streams[units]
 
     @contextlib.contextmanager
