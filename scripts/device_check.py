@@ -123,6 +123,54 @@ def stage_steps(args, units) -> list[dict]:
     return rows
 
 
+def stage_offline(args, out: Path) -> list[dict]:
+    """`LLM.generate` without the server, per policy: where a step's time goes when the
+    bench's numbers look wrong (a torch.profiler table of the chunked run goes to the log)."""
+    from bulletserve import LLM, SamplingParams
+
+    rows = []
+    prompts = [[(i * 7919 + j * 104729) % 40000 + 5 for j in range(128)] for i in range(32)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for policy in ("chunked", "bullet"):
+        llm = LLM(
+            model=args.model,
+            load_format="dummy",
+            device=args.device,
+            tokenizer=args.tokenizer,
+            max_model_len=1024,
+            policy=policy,
+            hardware_profile=args.hardware_profile if policy == "bullet" else None,
+            step_log=str(out / "offline-steps-bullet.jsonl") if policy == "bullet" else None,
+        )
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        profiler = None
+        if policy == "chunked":
+            profiler = torch.profiler.profile(
+                activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+            )
+            profiler.start()
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - started
+        if profiler is not None:
+            profiler.stop()
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+            print(table)
+            (out / "offline-profile.txt").write_text(table)
+        tokens = sum(len(o.token_ids) for o in outputs)
+        rows.append({"policy": policy, "seconds": seconds, "out_tok_per_s": tokens / seconds})
+        close = getattr(llm.engine, "close", None)
+        if close is not None:
+            close()
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -198,6 +246,8 @@ def stage_bench(args, out: Path) -> list[dict]:
                 "3.0",
                 "--slo-tpot-ms",
                 "150",
+                "--max-model-len",
+                str(args.bench_max_model_len),
             ]
             if args.tokenizer:
                 command += ["--tokenizer", args.tokenizer]
@@ -206,9 +256,13 @@ def stage_bench(args, out: Path) -> list[dict]:
             except RuntimeError as exc:
                 rows.append({"policy": label, "error": str(exc)})
                 continue
-            result = subprocess.run(
-                command, capture_output=True, text=True, timeout=args.bench_timeout
-            )
+            try:
+                result = subprocess.run(
+                    command, capture_output=True, text=True, timeout=args.bench_timeout
+                )
+            except subprocess.TimeoutExpired:
+                rows.append({"policy": label, "error": f"bench over {args.bench_timeout} s"})
+                continue
             (out / f"bench-{label}.txt").write_text(result.stdout + result.stderr)
             if result.returncode != 0:
                 rows.append({"policy": label, "error": result.stderr.strip()[-300:]})
@@ -237,13 +291,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("stages", nargs="+", choices=("splits", "steps", "bench"))
+    parser.add_argument("stages", nargs="+", choices=("splits", "steps", "offline", "bench"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device-check")))
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--gemm-n", type=int, default=8192)
     parser.add_argument("--sm-counts", type=int, nargs="*", default=[16, 32, 64, 96])
-    parser.add_argument("--splits", type=int, nargs="*", default=[32, 66, 96], help="prefill units")
+    parser.add_argument("--splits", type=int, nargs="*", default=[32, 64, 96], help="prefill units")
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=1024)
@@ -251,6 +305,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--rates", default="10,20")
     parser.add_argument("--bench-timeout", type=int, default=200)
+    parser.add_argument(
+        "--bench-max-model-len", type=int, default=1024, help="requests fitted to this context"
+    )
     parser.add_argument(
         "--hardware-profile", default=None, help="a `bullet profile` JSON for the bullet server"
     )
@@ -269,6 +326,8 @@ def main() -> None:
                 rows = stage_splits(args, units)
             elif stage == "steps":
                 rows = stage_steps(args, units)
+            elif stage == "offline":
+                rows = stage_offline(args, args.out)
             else:
                 rows = stage_bench(args, args.out)
         except Exception as exc:  # one failed stage must not hide the others' results

@@ -10,7 +10,8 @@
 # wheels in .whl/ (see /work/.library/device/README.md) and name .whl in the run's carry. Where
 # the embedded default model is not installed, a tokenizer folder in .device/tokenizer (carry
 # .device) stands in for it.
-# Stage sizes: BENCH_PROMPTS (default 100) and BENCH_RATES (default 8,16).
+# STAGES picks stages (default: tests steps offline bench); bench sizes: BENCH_PROMPTS
+# (default 40) and BENCH_RATES (default 4,8), requests fitted to 1024 tokens.
 set -uo pipefail
 OUT=${OUT:-device-check}
 WORK=$(mktemp -d)
@@ -25,18 +26,32 @@ if [ -f .device/tokenizer/tokenizer_config.json ]; then
   TOKENIZER=(--tokenizer "$PWD/.device/tokenizer")
   export BULLET_TEST_TOKENIZER="$PWD/.device/tokenizer"
 fi
+pack() { tar czf "$OUT/device-check.tgz" -C "$WORK" .; }
+stage() { case " ${STAGES:-tests steps offline bench} " in *" $1 "*) return 0 ;; esac; return 1; }
 {
   nvidia-smi -L
   python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
-  echo "== tests/test_cuda.py"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 40
-  timeout 120 python3 scripts/device_check.py splits steps --out "$WORK"
+  if stage tests; then
+    echo "== tests/test_cuda.py"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 40
+  fi
+  if stage steps; then
+    timeout 120 python3 scripts/device_check.py splits steps --out "$WORK"
+    pack
+  fi
   echo "== bullet profile --quick (llama-3.1-8b, dummy weights)"
   PROFILE=()
   timeout 120 python3 -m bulletserve.cli profile --device cuda --model llama-3.1-8b \
     --load-format dummy --quick --output "$OUT/h200-llama-3.1-8b.json" 2>&1 | tail -n 25 &&
     PROFILE=(--hardware-profile "$OUT/h200-llama-3.1-8b.json")
-  timeout 240 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" "${PROFILE[@]}" \
-    --num-prompts "${BENCH_PROMPTS:-100}" --rates "${BENCH_RATES:-8,16}" --bench-timeout 100
+  if stage offline; then
+    timeout 150 python3 scripts/device_check.py offline --out "$WORK" "${TOKENIZER[@]}" "${PROFILE[@]}"
+    pack
+  fi
+  if stage bench; then
+    timeout 300 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" \
+      "${PROFILE[@]}" --num-prompts "${BENCH_PROMPTS:-40}" --rates "${BENCH_RATES:-4,8}" \
+      --bench-timeout 120
+    pack
+  fi
 } 2>&1 | tee "$OUT/check.log"
-tar czf "$OUT/device-check.tgz" -C "$WORK" .

@@ -82,17 +82,10 @@ class LanedEngine(LLMEngine):
         mode, static = parse_partition(self.config.partition, self.units.total)
         if isinstance(self.units, WholeGPU):
             mode, static = "none", None
-        space = UnitSpace(self.units.total, self.units.granularity, self.units.min_units)
-        if static is not None and not (static.prefill > 0 and space.is_valid(static.prefill)):
-            raise ValueError(
-                f"--partition {self.config.partition}: P must be a multiple of "
-                f"{space.granularity} units (at least {space.minimum}) or what such a group "
-                "leaves on this device"
-            )
         self.perf = PerfModel(self.model_config, profile, dtype)
         return BulletPolicy(
             perf=self.perf,
-            units=space,
+            units=UnitSpace(self.units.total, self.units.granularity, self.units.min_units),
             num_layers=self.model_config.num_layers,
             slo=Slo(
                 self.config.slo_ttft_per_token_ms / 1e3,
@@ -175,6 +168,8 @@ class LanedEngine(LLMEngine):
             self._step_log.close()
 
     def _start(self) -> None:
+        space = self.policy.units
+        self.units.prepare([c for c in range(1, space.total) if space.is_valid(c)])
         for name, target in (("prefill", self._prefill_lane), ("decode", self._decode_lane)):
             thread = threading.Thread(
                 target=self._guard(target), name=f"bullet-{name}", daemon=True

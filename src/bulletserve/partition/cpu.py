@@ -24,6 +24,9 @@ class CpuThreads:
         self.total = total or usable_cores()
         self.device = torch.device("cpu")
 
+    def prepare(self, counts: list[int]) -> None:
+        """Nothing to create: a thread count is set when a lane starts its step."""
+
     @contextlib.contextmanager
     def lane(self, units: int, rest: bool = False) -> Iterator[None]:
         """Run the body on `units` threads (`rest`: on the threads the other lane left)."""

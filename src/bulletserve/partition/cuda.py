@@ -102,6 +102,13 @@ class GreenContextSMs:
             self._streams[units] = (group, remainder) if carved == units else (remainder, group)
         return self._streams[units]
 
+    def prepare(self, counts: list[int]) -> None:
+        """Create the green contexts and streams of every split a lane may be given, before
+        serving: creating one while the other lane's kernels run costs that step time."""
+        for units in counts:
+            if 0 < units < self.total:
+                self._split(units)
+
     @contextlib.contextmanager
     def lane(self, units: int, rest: bool = False) -> Iterator[None]:
         """Run the body on a green context of `units` SMs (`rest`: on the SMs left over)."""
@@ -129,6 +136,9 @@ class WholeGPU:
         self.total = torch.cuda.get_device_properties(device).multi_processor_count
         self.granularity = self.min_units = self.total
         self._whole = _ThreadStreams(device)
+
+    def prepare(self, counts: list[int]) -> None:
+        """Nothing to create: every lane runs on every SM."""
 
     @contextlib.contextmanager
     def lane(self, units: int, rest: bool = False) -> Iterator[None]:
