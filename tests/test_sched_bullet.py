@@ -38,11 +38,13 @@ CPU = dataclasses.replace(
 BLOCK = 16
 
 
-def make_policy(hw, layers_per_step=None, partition="auto", static=None) -> BulletPolicy:
+def make_policy(
+    hw, layers_per_step=None, partition="auto", static=None, min_remainder=None
+) -> BulletPolicy:
     cfg = PRESETS["llama-3.1-8b"]
     return BulletPolicy(
         perf=PerfModel(cfg, hw, "bfloat16"),
-        units=UnitSpace(hw.units, hw.unit_granularity, hw.min_units),
+        units=UnitSpace(hw.units, hw.unit_granularity, hw.min_units, min_remainder),
         num_layers=cfg.num_layers,
         slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.15),
         layers_per_step=layers_per_step,
@@ -54,6 +56,8 @@ def make_policy(hw, layers_per_step=None, partition="auto", static=None) -> Bull
 POLICIES = {
     "h100": make_policy(H100),
     "h100-groups": make_policy(H100, layers_per_step=8),
+    # Remainders of fewer than 24 SMs refused, as on a Hopper GPU (GreenContextSMs).
+    "h100-remainder": make_policy(H100, min_remainder=24),
     "cpu": make_policy(CPU),
 }
 
@@ -243,3 +247,11 @@ def test_ttft_slo_with_a_fixed_part():
     for ttft, tokens in ((0.53, 10), (0.25, 10), (1.1, 200)):
         window.add(ttft, tokens, None)
     assert window.stats().p90_ttft_over_slo == pytest.approx(1.0)
+
+
+def test_a_lane_never_runs_on_a_small_remainder():
+    space = UnitSpace(132, 8, 8, min_remainder=24)
+    assert space.is_valid(8) and space.is_valid(124)  # a carved 8 and what it leaves
+    assert not space.is_valid(12) and not space.is_valid(20)  # beside 120 and 112
+    assert space.is_valid(28) and space.least_remainder == 24
+    assert UnitSpace(132, 8, 8).is_valid(12)  # without the floor, as in the simulator

@@ -85,7 +85,12 @@ class LanedEngine(LLMEngine):
         self.perf = PerfModel(self.model_config, profile, dtype)
         return BulletPolicy(
             perf=self.perf,
-            units=UnitSpace(self.units.total, self.units.granularity, self.units.min_units),
+            units=UnitSpace(
+                self.units.total,
+                self.units.granularity,
+                self.units.min_units,
+                getattr(self.units, "min_remainder", None),
+            ),
             num_layers=self.model_config.num_layers,
             slo=Slo(
                 self.config.slo_ttft_per_token_ms / 1e3,
@@ -169,7 +174,13 @@ class LanedEngine(LLMEngine):
 
     def _start(self) -> None:
         space = self.policy.units
-        self.units.prepare([c for c in range(1, space.total) if space.is_valid(c)])
+        self.units.prepare(
+            [
+                c
+                for c in range(1, space.total)
+                if space.is_valid(c) and space.is_valid(space.total - c)
+            ]
+        )
         for name, target in (("prefill", self._prefill_lane), ("decode", self._decode_lane)):
             thread = threading.Thread(
                 target=self._guard(target), name=f"bullet-{name}", daemon=True

@@ -51,6 +51,10 @@ class GreenContextSMs:
         self.granularity = self.min_units = 8 if props.major >= 9 else 2
         if props.major < 9:
             self.min_units = 4
+        # Fewest SMs a lane may run on as the remainder beside a carved group (the scheduler's
+        # UnitSpace keeps to it): on an H200, cuBLAS GEMMs failed (CUBLAS_STATUS_EXECUTION_
+        # FAILED) on the 12 and 20 SMs left beside 120- and 112-SM groups; 52 and more ran.
+        self.min_remainder = 3 * self.granularity
         self._cu_dev = self._check(driver.cuDeviceGet(device.index or 0))
         self._resource = self._check(
             driver.cuDeviceGetDevResource(

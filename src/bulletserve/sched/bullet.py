@@ -39,6 +39,10 @@ class UnitSpace:
     total: int
     granularity: int
     minimum: int
+    # The fewest units a lane may run on when they are what is left beside a carved group
+    # (None: `minimum`). On an H200, cuBLAS GEMMs failed on the 12 and 20 SMs left beside
+    # 120- and 112-SM groups, while carved groups of 8 and remainders of 52 or more ran.
+    min_remainder: int | None = None
 
     def counts(self) -> list[int]:
         """Unit counts a lane may be given as a carved group, ascending."""
@@ -46,12 +50,17 @@ class UnitSpace:
         valid = set(range(start, self.total + 1, self.granularity)) | {self.total}
         return sorted(c for c in valid if c >= self.minimum)
 
+    @property
+    def least_remainder(self) -> int:
+        """Fewest units a lane may run on beside a carved group."""
+        return max(self.minimum, self.min_remainder or 0)
+
     def is_valid(self, units: int) -> bool:
         """0 (paused), a carved group, or what is left beside one (e.g. 124 of 132 SMs)."""
         if units == 0:
             return True
         carved = self.counts()
-        return units in carved or (units >= self.minimum and self.total - units in carved)
+        return units in carved or (units >= self.least_remainder and self.total - units in carved)
 
 
 @dataclass(frozen=True)
@@ -284,7 +293,7 @@ class BulletPolicy:
             else:
                 grown = snap.split.decode + self.units.granularity
                 decode_units = min(total, max(d_min, self._round_down(grown)))
-        if total - decode_units < self.units.minimum:
+        if total - decode_units < self.units.least_remainder:
             decode_units = total  # too little would be left to run a prefill on
         return Split(total - decode_units, decode_units)
 
@@ -295,7 +304,7 @@ class BulletPolicy:
         prefill lane at least its minimum); all but the minimum when none does."""
         counts = self.units.counts()
         budget = self.slo.tpot_s * TPOT_HEADROOM
-        candidates = [d for d in counts if self.units.total - d >= self.units.minimum]
+        candidates = [d for d in counts if self.units.total - d >= self.units.least_remainder]
         for d in candidates:
             es = ExecutionState(
                 prefill_lens=prefill_lens,
