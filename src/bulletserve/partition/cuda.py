@@ -61,6 +61,7 @@ class GreenContextSMs:
                 self._cu_dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
             )
         )
+        # carved SM count -> (stream on the carved group, stream on the SMs beside it)
         self._streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._keep: list[object] = []  # green contexts must outlive their streams
         self._whole = _ThreadStreams(device)
@@ -89,22 +90,23 @@ class GreenContextSMs:
     def _split(self, units: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """(stream on a group of exactly `units` SMs, stream on the other SMs). The driver
         carves groups in multiples of the granularity; a count that is not one is the
-        remainder beside a group of `total - units` (the decode lane beside a prefill group)."""
-        if units not in self._streams:
-            carved = units if units % self.granularity == 0 else self.total - units
-            if carved % self.granularity or not 0 < carved < self.total:
-                raise UnitsUnavailableError(
-                    f"cannot carve a green context of {units} SMs: neither it nor the "
-                    f"{self.total - units} beside it is a multiple of {self.granularity}"
-                )
+        remainder beside a group of `total - units` (the decode lane beside a prefill group),
+        and shares that carve's green contexts."""
+        carved = units if units % self.granularity == 0 else self.total - units
+        if carved % self.granularity or not 0 < carved < self.total:
+            raise UnitsUnavailableError(
+                f"cannot carve a green context of {units} SMs: neither it nor the "
+                f"{self.total - units} beside it is a multiple of {self.granularity}"
+            )
+        if carved not in self._streams:
             groups, count, rest = self._check(
                 self._driver.cuDevSmResourceSplitByCount(1, self._resource, 0, carved)
             )
             if count < 1 or groups[0].sm.smCount != carved:
                 raise UnitsUnavailableError(f"cannot carve a green context of {carved} SMs")
-            group, remainder = self._stream_for(groups[0]), self._stream_for(rest)
-            self._streams[units] = (group, remainder) if carved == units else (remainder, group)
-        return self._streams[units]
+            self._streams[carved] = (self._stream_for(groups[0]), self._stream_for(rest))
+        group, remainder = self._streams[carved]
+        return (group, remainder) if carved == units else (remainder, group)
 
     def prepare(self, counts: list[int]) -> None:
         """Create the green contexts and streams of every split a lane may be given, before
