@@ -237,4 +237,6 @@ def test_tokenizer_flag_takes_a_tokenizer_folder(tmp_path):
         )
     )
     assert engine.tokenizer.name_or_path == str(folder)
+    with pytest.raises(ValueError, match="--tokenizer .* does not exist"):
+        EngineConfig(tokenizer=str(tmp_path / "missing"))
     assert engine.tokenize("hello world") == load_tokenizer(None).encode("hello world")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from bulletserve.model.source import LOAD_FORMATS
 from bulletserve.sched import POLICIES
@@ -57,6 +58,8 @@ class EngineConfig:
             raise ValueError(
                 f"--partition must be auto, none or static:P/D, not {self.partition!r}"
             )
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
+            raise ValueError(f"--tokenizer {self.tokenizer!r} does not exist")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
 
