@@ -89,7 +89,7 @@ class LanedEngine(LLMEngine):
                 self.units.total,
                 self.units.granularity,
                 self.units.min_units,
-                getattr(self.units, "min_remainder", None),
+                self.units.min_remainder,
             ),
             num_layers=self.model_config.num_layers,
             slo=Slo(

@@ -19,6 +19,7 @@ class CpuThreads:
     kind = "cpu"
     granularity = 1
     min_units = 1
+    min_remainder = None  # any thread count may run beside another
 
     def __init__(self, total: int | None = None) -> None:
         self.total = total or usable_cores()

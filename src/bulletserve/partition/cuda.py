@@ -141,6 +141,7 @@ class WholeGPU:
         self.device = device
         self.total = torch.cuda.get_device_properties(device).multi_processor_count
         self.granularity = self.min_units = self.total
+        self.min_remainder = None  # there is never a remainder
         self._whole = _ThreadStreams(device)
 
     def prepare(self, counts: list[int]) -> None:

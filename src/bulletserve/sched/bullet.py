@@ -40,8 +40,7 @@ class UnitSpace:
     granularity: int
     minimum: int
     # The fewest units a lane may run on when they are what is left beside a carved group
-    # (None: `minimum`). On an H200, cuBLAS GEMMs failed on the 12 and 20 SMs left beside
-    # 120- and 112-SM groups, while carved groups of 8 and remainders of 52 or more ran.
+    # (None: `minimum`); the GPU partitioner sets it (see partition/cuda.py for why).
     min_remainder: int | None = None
 
     def counts(self) -> list[int]:
