@@ -4,6 +4,7 @@ Stages, each printing rows of one table and writing JSON to --out:
   splits: green-context splits; an n^3 GEMM's rate on each SM count, and two saturating GEMMs
           co-running on disjoint groups (their rates should add up to about the whole GPU's)
   steps:  a dummy model's prefill and decode step latency at three splits, alone and co-running
+  offline: LLM.generate per policy without the server, with a torch.profiler table (chunked)
   bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks)
 
 On a CPU (`--device cpu`) the same code runs with threads as units, which is how it is tested
