@@ -85,3 +85,14 @@ def test_cli_rejects_cuda_without_it(capsys):
         pytest.skip("CUDA present")
     assert main(["profile", "--device", "cuda", "--quick"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_a_count_off_the_granularity_is_carved_as_the_remainder_beside_its_complement():
+    from bulletserve.partition.cuda import carve_for
+
+    assert carve_for(64, 132, 8) == 64  # a multiple of 8: carved itself
+    assert carve_for(124, 132, 8) == 8  # the 124 SMs left beside a carved 8
+    assert carve_for(100, 132, 8) == 32
+    for bad in (66, 132, 0):  # neither 66 nor 66 beside it; the whole GPU; nothing
+        with pytest.raises(UnitsUnavailableError):
+            carve_for(bad, 132, 8)

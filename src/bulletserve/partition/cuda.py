@@ -11,6 +11,18 @@ import torch
 from bulletserve.partition.errors import UnitsUnavailableError
 
 
+def carve_for(units: int, total: int, granularity: int) -> int:
+    """The SM count to carve so that a lane gets exactly `units` SMs: `units` itself when it is
+    a multiple of the granularity, else the group beside which `units` SMs remain."""
+    carved = units if units % granularity == 0 else total - units
+    if carved % granularity or not 0 < carved < total:
+        raise UnitsUnavailableError(
+            f"cannot carve a green context of {units} SMs: neither it nor the "
+            f"{total - units} beside it is a multiple of {granularity}"
+        )
+    return carved
+
+
 class _ThreadStreams:
     """One CUDA stream per OS thread, for a lane that runs on every SM: two lanes on the
     default stream would run one after the other, never side by side."""
@@ -92,12 +104,7 @@ class GreenContextSMs:
         carves groups in multiples of the granularity; a count that is not one is the
         remainder beside a group of `total - units` (the decode lane beside a prefill group),
         and shares that carve's green contexts."""
-        carved = units if units % self.granularity == 0 else self.total - units
-        if carved % self.granularity or not 0 < carved < self.total:
-            raise UnitsUnavailableError(
-                f"cannot carve a green context of {units} SMs: neither it nor the "
-                f"{self.total - units} beside it is a multiple of {self.granularity}"
-            )
+        carved = carve_for(units, self.total, self.granularity)
         if carved not in self._streams:
             groups, count, rest = self._check(
                 self._driver.cuDevSmResourceSplitByCount(1, self._resource, 0, carved)
