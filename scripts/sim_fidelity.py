@@ -122,6 +122,37 @@ def simulate_like(result: BenchResult, base: SimConfig, policy: str | None) -> B
     )
 
 
+def isolated_table(path: Path, profile: str, model: str, dtype: str) -> None:
+    """Measured latencies of requests sent one at a time (`scripts/bench_lanes_cpu.py`'s
+    isolated.json) beside the profile's predictions: TTFT against a lone prefill on every
+    unit, the median TPOT against a batch-1 decode."""
+    from bulletserve.model.presets import get_preset
+    from bulletserve.perf.hardware import HardwareProfile
+    from bulletserve.perf.model import PerfModel
+    from bulletserve.perf.state import ExecutionState
+
+    hw = HardwareProfile.load(profile)
+    perf = PerfModel(get_preset(model), hw, dtype)
+    data = json.loads(path.read_text())
+    print("| prompt tokens | measured TTFT ms | predicted ms | difference |")
+    print("|---|---|---|---|")
+    gaps = []
+    for (tokens, _), per_token in zip(data["requests"], data["ttft_per_token_ms_all"], strict=True):
+        es = ExecutionState(prefill_lens=(tokens,), prefill_units=hw.units)
+        predicted = perf.predict(es).prefill_s * 1e3
+        measured = per_token * tokens
+        gaps.append(measured - predicted)
+        print(f"| {tokens} | {measured:.1f} | {predicted:.1f} | {measured - predicted:+.1f} ms |")
+    contexts = sorted(tokens for tokens, _ in data["requests"])
+    es = ExecutionState(decode_ctx=(contexts[len(contexts) // 2],), decode_units=hw.units)
+    decode = perf.predict(es).decode_s * 1e3
+    print(
+        f"\nTTFT: measured minus predicted, median {sorted(gaps)[len(gaps) // 2]:+.1f} ms; "
+        f"TPOT: measured {data['tpot_ms']:.1f} ms, batch-1 decode predicted {decode:.1f} ms "
+        f"({data['tpot_ms'] / decode - 1:+.1%})"
+    )
+
+
 def what_if_profile(path: str, slowdown: float, step_overhead_ms: float | None) -> str:
     """A copy of the profile whose calibrated step times are `slowdown` times longer (every
     alpha scaled) and, if given, whose per-step host overhead is `step_overhead_ms`."""
@@ -164,7 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="what-if: the host's time per step, in place of the profile's",
     )
+    parser.add_argument(
+        "--isolated",
+        type=Path,
+        help="also compare the isolated latencies of this isolated.json with the profile",
+    )
     args = parser.parse_args(argv)
+    if args.isolated:
+        isolated_table(args.isolated, args.profile, args.model, args.dtype)
+        print()
     profile = args.profile
     if args.slowdown != 1.0 or args.step_overhead_ms is not None:
         profile = what_if_profile(args.profile, args.slowdown, args.step_overhead_ms)

@@ -92,3 +92,25 @@ def test_what_if_profile_scales_every_alpha_and_sets_the_overhead():
                 points, scaled["calibration"]["alpha"][phase][units], strict=True
             ):
                 assert x2 == x and alpha2 == pytest.approx(1.5 * alpha)
+
+
+def test_isolated_table_sets_each_request_beside_its_lone_prefill(capsys):
+    from bulletserve.model.presets import get_preset
+    from bulletserve.perf.hardware import HardwareProfile
+    from bulletserve.perf.model import PerfModel
+    from bulletserve.perf.state import ExecutionState
+
+    docs = Path(__file__).parents[2] / "docs" / "data"
+    isolated = docs / "bench-cpu-3" / "isolated.json"
+    profile = str(docs / "cpu-profile.json")
+    _script().isolated_table(isolated, profile, "smollm2-135m", "bfloat16")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line[:3] == "| 1"]
+    data = json.loads(isolated.read_text())
+    first = next(i for i, (tokens, _) in enumerate(data["requests"]) if str(tokens)[0] == "1")
+    tokens = data["requests"][first][0]
+    perf = PerfModel(get_preset("smollm2-135m"), HardwareProfile.load(profile), "bfloat16")
+    predicted = perf.predict(ExecutionState(prefill_lens=(tokens,), prefill_units=2)).prefill_s
+    measured = data["ttft_per_token_ms_all"][first] * tokens
+    assert rows[0] == f"| {tokens} | {measured:.1f} | {predicted * 1e3:.1f} | " + (
+        f"{measured - predicted * 1e3:+.1f} ms |"
+    )
