@@ -4,7 +4,8 @@ Stages, each printing rows of one table and writing JSON to --out:
   splits: green-context splits; an n^3 GEMM's rate on each SM count, and two saturating GEMMs
           co-running on disjoint groups (their rates should add up to about the whole GPU's)
   steps:  a dummy model's prefill and decode step latency at three splits, alone and co-running
-  offline: LLM.generate per policy without the server, with a torch.profiler table (chunked)
+  offline: LLM.generate per policy without the server, eager and with --cuda-graphs, with a
+          torch.profiler table of the eager chunked run
   bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks)
 
 On a CPU (`--device cpu`) the same code runs with threads as units, which is how it is tested
@@ -132,7 +133,8 @@ def stage_offline(args, out: Path) -> list[dict]:
     rows = []
     prompts = [[(i * 7919 + j * 104729) % 40000 + 5 for j in range(128)] for i in range(32)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    for policy in ("chunked", "bullet"):
+    graphs_too = [False, True] if args.device == "cuda" else [False]
+    for policy, graphs in [(p, g) for p in ("chunked", "bullet") for g in graphs_too]:
         llm = LLM(
             model=args.model,
             load_format="dummy",
@@ -140,12 +142,17 @@ def stage_offline(args, out: Path) -> list[dict]:
             tokenizer=args.tokenizer,
             max_model_len=1024,
             policy=policy,
+            cuda_graphs=graphs,
             hardware_profile=args.hardware_profile if policy == "bullet" else None,
-            step_log=str(out / "offline-steps-bullet.jsonl") if policy == "bullet" else None,
+            step_log=(
+                str(out / f"offline-steps-bullet{'-graphs' if graphs else ''}.jsonl")
+                if policy == "bullet"
+                else None
+            ),
         )
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         profiler = None
-        if policy == "chunked":
+        if policy == "chunked" and not graphs:
             profiler = torch.profiler.profile(
                 activities=[
                     torch.profiler.ProfilerActivity.CPU,
@@ -162,7 +169,14 @@ def stage_offline(args, out: Path) -> list[dict]:
             print(table)
             (out / "offline-profile.txt").write_text(table)
         tokens = sum(len(o.token_ids) for o in outputs)
-        rows.append({"policy": policy, "seconds": seconds, "out_tok_per_s": tokens / seconds})
+        rows.append(
+            {
+                "policy": policy,
+                "cuda_graphs": graphs,
+                "seconds": seconds,
+                "out_tok_per_s": tokens / seconds,
+            }
+        )
         close = getattr(llm.engine, "close", None)
         if close is not None:
             close()

@@ -96,8 +96,9 @@ def reference(tiny_llama_dir):
         {"partition": "none"},
         {"partition": "static-half"},
         {"prefill_layers_per_step": 1, "kv_cache_memory": str(16 * TINY_LLAMA_BLOCK_BYTES)},
+        {"cuda_graphs": True},
     ],
-    ids=["auto", "layer-groups", "none", "static", "preempting"],
+    ids=["auto", "layer-groups", "none", "static", "preempting", "cuda-graphs"],
 )
 def test_bullet_on_sm_groups_equals_prefill_first(tiny_llama_dir, reference, settings, sms):
     if settings.get("partition") == "static-half":
@@ -117,3 +118,17 @@ def test_bullet_on_sm_groups_equals_prefill_first(tiny_llama_dir, reference, set
         assert llm.engine.pool.allocator.num_used == 0
     finally:
         llm.engine.close()
+
+
+def test_decode_graphs_replay_the_eager_greedy_tokens(tiny_llama_dir, reference):
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="prefill-first",
+        device="cuda",
+        cuda_graphs=True,
+    )
+    outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
+    assert [o.token_ids for o in outputs] == reference
+    assert llm.engine.runner.graphs._graphs  # decode steps did run as graphs

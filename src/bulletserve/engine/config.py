@@ -26,6 +26,7 @@ class EngineConfig:
     kv_cache_memory: str | None = None  # bytes or a fraction of free memory
     policy: str = "chunked"
     num_threads: int | None = None  # CPU intra-op threads; default: all usable cores
+    cuda_graphs: bool = False  # replay pure-decode steps as CUDA graphs
     # Bullet (--policy bullet) only:
     partition: str = "auto"  # auto | none | static:P/D
     slo_ttft_per_token_ms: float = 3.0
@@ -102,6 +103,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", default="chunked", choices=POLICIES)
     group.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads (default: all usable cores)"
+    )
+    group.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay pure-decode steps as CUDA graphs, one per (batch, context) bucket "
+        "(experimental: not yet run on a GPU)",
     )
     bullet = parser.add_argument_group("bullet (--policy bullet)")
     bullet.add_argument(

@@ -14,6 +14,7 @@ from collections import deque
 import torch
 
 from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.cuda_graphs import DecodeGraphs
 from bulletserve.engine.request import (
     Request,
     RequestOutput,
@@ -49,6 +50,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("--cuda-graphs needs --device cuda")
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype)
@@ -76,6 +79,10 @@ class LLMEngine:
                 "--max-model-len"
             )
         self.runner = ModelRunner(self.model, self.pool, self.device)
+        if config.cuda_graphs:
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.pool, self.device, config.max_num_seqs, self.max_model_len
+            )
         self.sampler = Sampler(config.seed)
         self.policy = self._make_policy()
         self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)

@@ -33,6 +33,23 @@ class StepBatch:
     sampling_order: list[int]  # index into the given works, per logits row
 
 
+def context_slots(
+    tables: torch.Tensor, contexts: list[int], block_size: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots of each decoding sequence's context, `width` wide, and their validity.
+
+    tables: [batch, blocks] block ids covering at least min(width, context) tokens per row.
+    Positions past a context (the unwritten tail of its last block, or padding up to `width`)
+    read slot 0, the null block: masked scores still multiply V, and stale memory may hold
+    NaNs, so they must read something finite."""
+    offsets = torch.arange(block_size)
+    slots = (tables.long().unsqueeze(2) * block_size + offsets).flatten(1)[:, :width]
+    if slots.shape[1] < width:
+        slots = torch.nn.functional.pad(slots, (0, width - slots.shape[1]))
+    valid = torch.arange(width).unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
+    return torch.where(valid, slots, 0), valid
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, pool: KVPool, device: torch.device) -> None:
         self.model = model
@@ -44,6 +61,9 @@ class ModelRunner:
         self.decode_kernel = decode_attention_kernel(
             pool.kv.dtype, config.head_dim, config.num_heads // config.num_kv_heads, device
         )
+        # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine under
+        # --cuda-graphs; typed loosely here because that module builds on this one.
+        self.graphs = None
         if device.type == "cuda":
             # cuDNN's SDPA builds a graph per new shape, and a decode batch's context length
             # changes at every step: on an H200 (torch 2.11) it took 74% of the host's time,
@@ -118,19 +138,17 @@ class ModelRunner:
                 "decode_context_lens": torch.tensor(contexts, dtype=torch.int32),
                 "block_size": self.block_size,
             }
-        max_context = max(contexts)
-        slots = (tables.long().unsqueeze(2) * self.block_size + self._block_offsets).flatten(1)
-        valid = torch.arange(max_context).unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
-        # Positions past a context (the unwritten tail of its last block) read the zeroed
-        # null block: masked scores still multiply V, and stale memory may hold NaNs.
+        slots, valid = context_slots(tables, contexts, self.block_size, max(contexts))
         return {
-            "decode_slots": torch.where(valid, slots[:, :max_context], 0).to(self.device),
+            "decode_slots": slots.to(self.device),
             "decode_mask": valid[:, None, None, :].to(self.device),
         }
 
     @torch.inference_mode()
     def execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
         """Run one step; return fp32 logits for sampling sequences and their indices in `works`."""
+        if self.graphs is not None and self.graphs.fits(works):
+            return self.graphs.run(works), list(range(len(works)))
         batch = self.prepare(works)
         hidden = self.model.embed(batch.input_ids)
         hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)
