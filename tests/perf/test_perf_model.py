@@ -149,3 +149,30 @@ def test_op_breakdown_sums_to_roofline(hw):
         breakdown = model.op_breakdown(es, phase)
         assert "attention" in breakdown and "lm_head" in breakdown
         assert sum(breakdown.values()) == pytest.approx(model.roofline(es, phase), rel=1e-12)
+
+
+def test_gpu_steps_script_predicts_each_measured_step_of_the_device_check():
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from bulletserve.model.presets import get_preset
+    from bulletserve.perf.model import PerfModel
+    from bulletserve.perf.state import ExecutionState
+    from bulletserve.sim.hardware import load_hardware
+
+    root = Path(__file__).parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "gpu_steps_vs_model", root / "scripts" / "gpu_steps_vs_model.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    steps = json.loads((root / "docs/data/h200-check/device_check.json").read_text())["steps"]
+    perf = PerfModel(get_preset("llama-3.1-8b"), load_hardware("h200"), "bfloat16")
+    rows = script.rows(steps, perf, 2048, 32, 1024)
+    assert len(rows) == 4 * len(steps)
+    split, phase, measured, predicted = rows[0]
+    assert (split, phase, measured) == (steps[0]["split_P/D"], "prefill_ms", steps[0]["prefill_ms"])
+    units = int(split.split("/")[0])
+    es = ExecutionState(prefill_lens=(2048,), prefill_units=units)
+    assert predicted == pytest.approx(perf.predict(es).prefill_s * 1e3)
