@@ -236,7 +236,8 @@ def stage_bench(args, out: Path) -> list[dict]:
                 str(out / f"steps-{label}.jsonl"),
             ]
             + policy
-            + (["--tokenizer", args.tokenizer] if args.tokenizer else []),
+            + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
+            + args.server_flags.split(),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -322,6 +323,9 @@ def main() -> None:
     parser.add_argument("--bench-timeout", type=int, default=200)
     parser.add_argument(
         "--bench-max-model-len", type=int, default=1024, help="requests fitted to this context"
+    )
+    parser.add_argument(
+        "--server-flags", default="", help="more `bullet serve` flags for both servers"
     )
     parser.add_argument(
         "--hardware-profile", default=None, help="a `bullet profile` JSON for the bullet server"

@@ -10,7 +10,8 @@
 # model: `bash scripts/device_prep.sh` here puts their wheels in .whl/ and the model's tokenizer
 # in .device/tokenizer; name both in the run's carry (carry=[".whl", ".device"]).
 # STAGES picks stages (default: tests steps offline bench); bench sizes: BENCH_PROMPTS
-# (default 40) and BENCH_RATES (default 4,8), requests fitted to 1024 tokens.
+# (default 40) and BENCH_RATES (default 4,8), requests fitted to 1024 tokens; BENCH_SERVER_FLAGS
+# adds serve flags to both servers (e.g. --cuda-graphs).
 set -uo pipefail
 OUT=${OUT:-device-check}
 WORK=$(mktemp -d)
@@ -50,7 +51,7 @@ stage() { case " ${STAGES:-tests steps offline bench} " in *" $1 "*) return 0 ;;
   if stage bench; then
     timeout 300 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" \
       "${PROFILE[@]}" --num-prompts "${BENCH_PROMPTS:-40}" --rates "${BENCH_RATES:-4,8}" \
-      --bench-timeout 120
+      --bench-timeout 120 --server-flags="${BENCH_SERVER_FLAGS:-}"
     pack
   fi
 } 2>&1 | tee "$OUT/check.log"
