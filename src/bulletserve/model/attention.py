@@ -95,9 +95,11 @@ def paged_attention(
         kvh, dim = k_cache.shape[1], k_cache.shape[2]
         kd = k_cache.index_select(0, flat).view(batch, max_context, kvh, dim).transpose(1, 2)
         vd = v_cache.index_select(0, flat).view(batch, max_context, kvh, dim).transpose(1, 2)
-        qd = q[meta.num_prefill_tokens :].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[meta.num_prefill_tokens :] = o.squeeze(2)
+        # The query heads sharing a KV head (h = kv * group + g) become that head's query rows:
+        # one token each, all with the same context and mask, so attention needs no GQA
+        # expansion of K/V (which SDPA's math path would copy group-fold) and no causal mask.
+        group = q.shape[1] // kvh
+        qd = q[meta.num_prefill_tokens :].reshape(batch, kvh, group, dim)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[meta.num_prefill_tokens :] = o.reshape(batch, kvh * group, dim)
     return out
