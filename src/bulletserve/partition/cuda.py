@@ -65,8 +65,11 @@ class GreenContextSMs:
             self.min_units = 4
         # Fewest SMs a lane may run on as the remainder beside a carved group (the scheduler's
         # UnitSpace keeps to it): on an H200, cuBLAS GEMMs failed (CUBLAS_STATUS_EXECUTION_
-        # FAILED) on the 12 and 20 SMs left beside 120- and 112-SM groups; 52 and more ran.
-        self.min_remainder = 3 * self.granularity
+        # FAILED) on a prefill on the 12 and 20 SMs left beside 120- and 112-SM groups, while
+        # prefills on remainders of 52 to 124 ran (and a decode on 36); 21-51 were not tried,
+        # so the floor is the smallest that ran a prefill, 2/5 of the device. Carved groups
+        # of 8 SMs and more all ran.
+        self.min_remainder = 2 * self.total // 5
         self._cu_dev = self._check(driver.cuDeviceGet(device.index or 0))
         self._resource = self._check(
             driver.cuDeviceGetDevResource(
