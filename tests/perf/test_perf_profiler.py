@@ -96,3 +96,12 @@ def test_a_count_off_the_granularity_is_carved_as_the_remainder_beside_its_compl
     for bad in (66, 132, 0):  # neither 66 nor 66 beside it; the whole GPU; nothing
         with pytest.raises(UnitsUnavailableError):
             carve_for(bad, 132, 8)
+
+
+def test_gpu_micro_benchmarks_are_sized_past_launch_overhead_and_l2():
+    from bulletserve.perf.profiler import PLANS, micro_sizes
+
+    quick = PLANS["quick"]
+    assert micro_sizes(quick, "cpu") == (quick.gemm_n, quick.bandwidth_bytes)
+    gemm_n, nbytes = micro_sizes(quick, "gpu")
+    assert gemm_n >= 8192 and nbytes >= 1 << 30
