@@ -85,8 +85,8 @@ def _es_decode(batch: int, context: int, units: int) -> ExecutionState:
 def micro_sizes(plan: SweepPlan, kind: str) -> tuple[int, int]:
     """(GEMM n, copy bytes) for the micro-benchmarks. A GPU needs larger ones than the plans'
     CPU-sized defaults: on an H200 a 1024^3 GEMM measured 64-102 TFLOP/s where 8192^3 gave
-    793, and a 64 MB copy (inside its 60 MB L2, give or take) 2.9 TB/s against 4.3 TB/s for
-    gigabytes."""
+    793, and a 64 MB copy (about its 60 MB L2) 2.9 TB/s where the device's notes give 4.3 TB/s
+    for an 8.6 GB copy."""
     if kind == "gpu":
         return max(plan.gemm_n, 8192), max(plan.bandwidth_bytes, 2 << 30)
     return plan.gemm_n, plan.bandwidth_bytes
