@@ -86,8 +86,9 @@ def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.inference_mode()
 def _fill_random(model: DecoderLM, seed: int) -> None:
-    """Random weights drawn where they live: on a GPU the draw takes seconds for an 8B model,
-    where a CPU draw and copy would take minutes (so the values differ between devices)."""
+    """Random weights drawn where they live, by that device's generator: an 8B model's draw
+    stays on the GPU instead of 8 billion CPU samples and a copy (so the values differ
+    between devices)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
