@@ -49,6 +49,33 @@ def test_a_green_context_confines_a_gemm_to_its_sms(sms):
     assert _gemm_rate(sms, small, rest=True) > 2 * confined
 
 
+def test_a_graph_replayed_on_a_green_context_stays_on_its_sms(sms):
+    """--cuda-graphs captures once and replays on the lane's stream: the replay must run on
+    that stream's SMs, or a decode graph would take the whole GPU from the prefill lane."""
+    n, steps = 4096, 10
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.mm(a, a)  # warm-up before capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            torch.mm(a, a)
+
+    def rate(count: int) -> float:
+        with sms.lane(count):
+            graph.replay()
+            sms.synchronize()
+            start = time.perf_counter()
+            for _ in range(3):
+                graph.replay()
+            sms.synchronize()
+            return 3 * steps * 2 * n**3 / (time.perf_counter() - start)
+
+    assert rate(2 * sms.granularity) < 0.5 * rate(sms.total)
+
+
 def test_two_lanes_on_disjoint_groups_run_side_by_side(sms):
     half = sms.total // 2 // sms.granularity * sms.granularity
     alone = _gemm_rate(sms, half)
