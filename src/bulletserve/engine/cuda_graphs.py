@@ -2,10 +2,11 @@
 
 A pure-decode batch is padded to a (batch, context) bucket and runs as one graph launch in place
 of the ~1,500 kernels an 8B model's step launches from Python (on an H200 a batch of 32 at
-context 1024 took 23 ms, host-bound, where reading its weights and KV once takes about 5 ms). A bucket's graph is captured the first
-time a batch needs it. Padding rows decode token 0 at position 0, write their K/V into slot 0
-(the null block, which holds only values that masked positions multiply by zero) and attend to
-that slot alone, so they stay finite and never touch a real sequence's cache.
+context 1024 took 23 ms, host-bound, where reading its weights and KV once takes about 5 ms).
+A bucket's graph is captured the first time a batch needs it. Padding rows decode token 0 at
+position 0, write their K/V into slot 0 (the null block, which holds only values that masked
+positions multiply by zero) and attend to that slot alone, so they stay finite and never touch a
+real sequence's cache.
 """
 
 from __future__ import annotations
