@@ -103,15 +103,14 @@ def test_greedy_tokens_on_cuda_match_the_cpu(tiny_llama_dir):
     assert outputs["cuda"] == outputs["cpu"]
 
 
+def _cuda_llm(model_dir, **settings) -> LLM:
+    """The tiny model in fp32 on the GPU."""
+    return LLM(model=str(model_dir), dtype="float32", max_model_len=256, device="cuda", **settings)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="prefill-first",
-        device="cuda",
-    )
+    llm = _cuda_llm(tiny_llama_dir, policy="prefill-first")
     return [o.token_ids for o in llm.generate(random_prompts(12, seed=21), GREEDY)]
 
 
@@ -131,14 +130,7 @@ def test_bullet_on_sm_groups_equals_prefill_first(tiny_llama_dir, reference, set
     if settings.get("partition") == "static-half":
         half = sms.total // 2 // sms.granularity * sms.granularity
         settings = {"partition": f"static:{half}/{sms.total - half}"}
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="bullet",
-        device="cuda",
-        **settings,
-    )
+    llm = _cuda_llm(tiny_llama_dir, policy="bullet", **settings)
     try:
         outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
         assert [o.token_ids for o in outputs] == reference
@@ -148,14 +140,7 @@ def test_bullet_on_sm_groups_equals_prefill_first(tiny_llama_dir, reference, set
 
 
 def test_decode_graphs_replay_the_eager_greedy_tokens(tiny_llama_dir, reference):
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="prefill-first",
-        device="cuda",
-        cuda_graphs=True,
-    )
+    llm = _cuda_llm(tiny_llama_dir, policy="prefill-first", cuda_graphs=True)
     outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert llm.engine.runner.graphs._graphs  # decode steps did run as graphs
