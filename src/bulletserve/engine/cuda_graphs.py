@@ -123,14 +123,13 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Captured decode graphs per (batch, context) bucket for one model runner. Used from one
-    thread (the engine's, or the decode lane's), which replays on its current stream."""
+    """Captured decode graphs per (batch, context) bucket for one model runner on a CUDA device
+    (the engine refuses --cuda-graphs elsewhere). Used from one thread (the engine's, or the
+    decode lane's), which replays on its current stream."""
 
     def __init__(
         self, model: DecoderLM, pool: KVPool, device: torch.device, max_batch: int, max_len: int
     ) -> None:
-        if device.type != "cuda":
-            raise ValueError("--cuda-graphs needs --device cuda")
         self.model, self.pool, self.device = model, pool, device
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (
             bucket(max_batch, BATCH_BUCKETS) or max_batch,

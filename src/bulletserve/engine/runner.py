@@ -38,14 +38,12 @@ def context_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache slots of each decoding sequence's context, `width` wide, and their validity.
 
-    tables: [batch, blocks] block ids covering at least min(width, context) tokens per row.
+    tables: [batch, blocks] block ids, blocks * block_size >= width (0 past a table's end).
     Positions past a context (the unwritten tail of its last block, or padding up to `width`)
     read slot 0, the null block: masked scores still multiply V, and stale memory may hold
     NaNs, so they must read something finite."""
     offsets = torch.arange(block_size)
     slots = (tables.long().unsqueeze(2) * block_size + offsets).flatten(1)[:, :width]
-    if slots.shape[1] < width:
-        slots = torch.nn.functional.pad(slots, (0, width - slots.shape[1]))
     valid = torch.arange(width).unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
     return torch.where(valid, slots, 0), valid
 
