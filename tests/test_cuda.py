@@ -49,22 +49,24 @@ def test_a_green_context_confines_a_gemm_to_its_sms(sms):
     assert _gemm_rate(sms, small, rest=True) > 2 * confined
 
 
-def test_a_graph_replayed_on_a_green_context_stays_on_its_sms(sms):
-    """--cuda-graphs captures once and replays on the lane's stream: the replay must run on
+def test_a_graph_captured_on_a_green_context_stays_on_its_sms(sms):
+    """--cuda-graphs captures on the lane's stream and replays there: the replay must keep to
     that stream's SMs, or a decode graph would take the whole GPU from the prefill lane."""
+    from bulletserve.engine.cuda_graphs import capture_on_current_stream
+
     n, steps = 4096, 10
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.mm(a, a)  # warm-up before capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
+    pool = torch.cuda.graph_pool_handle()
+
+    def gemms() -> torch.Tensor:
         for _ in range(steps):
-            torch.mm(a, a)
+            out = torch.mm(a, a)
+        return out
 
     def rate(count: int) -> float:
         with sms.lane(count):
+            graph = torch.cuda.CUDAGraph()
+            capture_on_current_stream(graph, pool, gemms)
             graph.replay()
             sms.synchronize()
             start = time.perf_counter()

@@ -11,6 +11,7 @@ real sequence's cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,29 @@ def padded_forward(model: DecoderLM, pool: KVPool, inputs: PaddedDecode) -> torc
     return model.logits(hidden, inputs.logits_rows)
 
 
+def capture_on_current_stream(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int], forward: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """Capture `forward()` into `graph` on the caller's stream and return its output tensor.
+    Captured there, the graph's kernels belong to that stream's context, so a replay on a
+    green-context stream keeps to its SMs (on an H200, a graph captured on an ordinary stream
+    and replayed on a green-context stream ran on every SM). The legacy default stream cannot
+    be captured; there a new stream of the same context captures. `thread_local`: the other
+    lane keeps launching on its own stream meanwhile."""
+    current = torch.cuda.current_stream()
+    stream = torch.cuda.Stream() if current == torch.cuda.default_stream() else current
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        forward()  # warm-up: this stream's library handles, workspaces, kernel choices
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            output = forward()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
+    return output
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -123,9 +147,11 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Captured decode graphs per (batch, context) bucket for one model runner on a CUDA device
-    (the engine refuses --cuda-graphs elsewhere). Used from one thread (the engine's, or the
-    decode lane's), which replays on its current stream."""
+    """Captured decode graphs per (stream, batch bucket, context bucket) for one model runner on
+    a CUDA device (the engine refuses --cuda-graphs elsewhere). A lane's stream stands for its
+    split (each green context has its own streams), so a split's graphs run on its SMs. Used
+    from one thread (the engine's, or the decode lane's), which replays on its current stream.
+    All graphs share one memory pool: they never run at the same time."""
 
     def __init__(
         self, model: DecoderLM, pool: KVPool, device: torch.device, max_batch: int, max_len: int
@@ -135,7 +161,7 @@ class DecodeGraphs:
             bucket(max_batch, BATCH_BUCKETS) or max_batch,
         )
         self.context_buckets = context_buckets(max_len)
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def fits(self, works: list[SeqWork]) -> bool:
@@ -150,26 +176,22 @@ class DecodeGraphs:
     def run(self, works: list[SeqWork]) -> torch.Tensor:
         """fp32 logits of `works` (rows in order), valid until the next call."""
         key = (
+            torch.cuda.current_stream(self.device).cuda_stream,
             bucket(len(works), self.batch_buckets),
             bucket(max(w.start + 1 for w in works), self.context_buckets),
         )
-        entry = self._graphs.get(key) or self._capture(*key)
+        entry = self._graphs.get(key) or self._capture(key)
         entry.inputs.fill(works, self.pool.block_size)
         entry.graph.replay()
         return entry.logits[: len(works)]
 
-    def _capture(self, batch: int, context: int) -> _Graph:
+    def _capture(self, key: tuple[int, int, int]) -> _Graph:
+        _, batch, context = key
         inputs = PaddedDecode.allocate(batch, context, self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: library handles, workspaces, kernel choices
-                padded_forward(self.model, self.pool, inputs)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the other lane keeps launching on its own stream meanwhile.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = padded_forward(self.model, self.pool, inputs)
+        logits = capture_on_current_stream(
+            graph, self._pool, lambda: padded_forward(self.model, self.pool, inputs)
+        )
         entry = _Graph(graph, inputs, logits)
-        self._graphs[(batch, context)] = entry
+        self._graphs[key] = entry
         return entry

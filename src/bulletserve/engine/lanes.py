@@ -360,6 +360,7 @@ class LanedEngine(LLMEngine):
                 logits = None
                 if plan.prefill.layer_end == self.model_config.num_layers:
                     logits = self.model.logits(hidden, batch.batch.logits_rows)
+                self.units.synchronize()  # the step's device time, not its launch time
             measured = time.perf_counter() - start
             with self._state:
                 batch.hidden, batch.layers_done = hidden, plan.prefill.layer_end
@@ -454,6 +455,7 @@ class LanedEngine(LLMEngine):
             start = time.perf_counter()
             with self._units("decode", plan.split):
                 logits, _ = self.runner.execute(works)
+                self.units.synchronize()
             measured = time.perf_counter() - start
             with self._state:
                 self._busy.difference_update(r.request_id for r in requests)

@@ -23,6 +23,21 @@ def carve_for(units: int, total: int, granularity: int) -> int:
     return carved
 
 
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Run the body on `stream`, after the work queued on the caller's stream and before the
+    work the caller queues next: a lane's inputs are copied, and its logits sampled, on the
+    caller's stream, and lane streams are non-blocking (nothing orders them implicitly; on an
+    H200 a replayed decode graph's logits were sampled before the graph wrote them)."""
+    caller = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        caller.wait_stream(stream)
+
+
 class _ThreadStreams:
     """One CUDA stream per OS thread, for a lane that runs on every SM: two lanes on the
     default stream would run one after the other, never side by side."""
@@ -129,11 +144,11 @@ class GreenContextSMs:
     def lane(self, units: int, rest: bool = False) -> Iterator[None]:
         """Run the body on a green context of `units` SMs (`rest`: on the SMs left over)."""
         if units >= self.total and not rest:
-            with torch.cuda.stream(self._whole.current()):
+            with _on_stream(self._whole.current()):
                 yield
             return
         group, remainder = self._split(units)
-        with torch.cuda.stream(remainder if rest else group):
+        with _on_stream(remainder if rest else group):
             yield
 
     def synchronize(self) -> None:
@@ -160,7 +175,7 @@ class WholeGPU:
     @contextlib.contextmanager
     def lane(self, units: int, rest: bool = False) -> Iterator[None]:
         """Run the body on every SM, on the calling thread's own stream."""
-        with torch.cuda.stream(self._whole.current()):
+        with _on_stream(self._whole.current()):
             yield
 
     def synchronize(self) -> None:
