@@ -194,8 +194,8 @@ def test_prompt_too_long_is_rejected_and_engine_stays_usable(tiny_llama_dir):
 
 
 def test_a_vanishing_temperature_samples_the_argmax(tiny_llama_dir):
-    """Logits over a temperature of 1e-300 (0 in float32) overflow, leaving no finite
-    probability: the draw falls back to the argmax, the limit as the temperature goes to 0."""
+    """A temperature of 1e-300 (0 in float32) samples the argmax, the limit as the temperature
+    goes to 0, not a NaN distribution."""
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256)
     prompt = random_prompts(1, seed=15)[0]
     tiny = SamplingParams(max_tokens=12, temperature=1e-300, seed=1, ignore_eos=True)

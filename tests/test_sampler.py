@@ -1,10 +1,20 @@
-"""The sampler's random draw: frequencies follow the distribution, zero mass is never drawn."""
+"""The sampler's random draw: frequencies follow the distribution, zero mass is never drawn,
+and temperature, top-k and top-p give the distribution a full sort would."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from bulletserve.engine.sampler import _inverse_cdf
+from bulletserve.engine.request import Request, RequestTimings
+from bulletserve.engine.sampler import (
+    CDF_BLOCK,
+    NUCLEUS_CANDIDATES,
+    Sampler,
+    _filtered_weights,
+    _inverse_cdf,
+)
+from bulletserve.engine.sampling_params import SamplingParams
 
 
 def test_draws_follow_the_distribution():
@@ -29,3 +39,71 @@ def test_a_row_without_finite_mass_still_gives_a_valid_id():
     probs = torch.tensor([[float("nan")] * 4, [0.0, 1.0, 0.0, 0.0]])
     picks = _inverse_cdf(probs, torch.full((2, 1), 0.5, dtype=torch.float64))
     assert 0 <= picks[0] < 4 and picks[1] == 1
+
+
+def test_draws_across_blocks_and_the_partial_last_block():
+    vocab = 2 * CDF_BLOCK + 37
+    weights = torch.zeros(1, vocab)
+    heavy = {5: 0.2, CDF_BLOCK + 3: 0.3, 2 * CDF_BLOCK + 36: 0.5}  # the last id of the vocab
+    for index, weight in heavy.items():
+        weights[0, index] = weight
+    n = 40_000
+    uniforms = torch.rand(n, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    picks = _inverse_cdf(weights.expand(n, -1).contiguous(), uniforms)
+    freq = torch.bincount(picks, minlength=vocab).double() / n
+    assert set(picks.unique().tolist()) == set(heavy)
+    for index, weight in heavy.items():
+        assert abs(freq[index] - weight) < 0.01
+    ends = torch.tensor([[0.0], [1.0]], dtype=torch.float64)
+    assert _inverse_cdf(weights.expand(2, -1).contiguous(), ends).tolist() == [5, vocab - 1]
+
+
+def _request(**params) -> Request:
+    return Request("r", None, [1], SamplingParams(max_tokens=1, **params), RequestTimings(0.0))
+
+
+def _reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """Temperature, top-k and top-p by a full sort, the textbook way."""
+    scaled = logits.double() / temperature
+    ordered, order = scaled.sort(descending=True)
+    if top_k > 0:
+        ordered[top_k:] = float("-inf")
+    probs = ordered.softmax(dim=-1)
+    keep = (probs.cumsum(dim=-1) - probs) < top_p
+    ordered[~keep] = float("-inf")
+    return torch.full_like(scaled, float("-inf")).scatter(0, order, ordered).softmax(dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("scale", "temperature", "top_k", "top_p"),
+    [
+        (3.0, 1.0, 0, 1.0),
+        (3.0, 0.7, 0, 0.9),
+        (3.0, 1.3, 50, 1.0),
+        (3.0, 0.8, 200, 0.5),
+        (0.05, 1.0, 0, 0.95),  # nearly flat: the nucleus outgrows the candidates, full sort
+    ],
+)
+def test_filtered_weights_match_a_full_sort(scale, temperature, top_k, top_p):
+    vocab = 5000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * scale
+    request = _request(temperature=temperature, top_k=top_k, top_p=top_p)
+    weights = _filtered_weights(logits.unsqueeze(0), logits.max().unsqueeze(0), [request])[0]
+    expected = _reference_probs(logits, temperature, top_k, top_p)
+    assert torch.equal(weights > 0, expected > 0)
+    assert torch.allclose((weights / weights.sum()).double(), expected, atol=1e-6)
+    if scale < 1:
+        assert int((expected > 0).sum()) > NUCLEUS_CANDIDATES
+
+
+def test_random_rows_sample_from_their_filtered_distribution():
+    """Rows of one batch keep their own settings: greedy, top-k 2, and top-p over a peak."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0], [9.0, 0.0, 0.0, 0.0]])
+    requests = [_request(temperature=0), _request(top_k=2), _request(top_p=0.5)]
+    sampler = Sampler(seed=0)
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(200):
+        tokens, _ = sampler.sample(logits, requests, [frozenset()] * 3)
+        for row, token in enumerate(tokens):
+            seen[row].add(token)
+    assert seen == [{1}, {1, 2}, {0}]
