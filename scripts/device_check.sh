@@ -33,7 +33,10 @@ stage() { case " ${STAGES:-tests steps offline bench} " in *" $1 "*) return 0 ;;
   python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
   if stage tests; then
     echo "== tests/test_cuda.py"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 40
+    # The whole report goes to tests.log; the table shows each failure's first error line.
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py \
+      >"$OUT/tests.log" 2>&1
+    grep -E "^(E  |FAILED|ERROR)|passed|failed" "$OUT/tests.log" | grep -v "^E  *$" | head -n 40
   fi
   if stage steps; then
     timeout 120 python3 scripts/device_check.py splits steps --out "$WORK"

@@ -49,35 +49,6 @@ def test_a_green_context_confines_a_gemm_to_its_sms(sms):
     assert _gemm_rate(sms, small, rest=True) > 2 * confined
 
 
-def test_a_graph_captured_on_a_green_context_stays_on_its_sms(sms):
-    """--cuda-graphs captures on the lane's stream and replays there: the replay must keep to
-    that stream's SMs, or a decode graph would take the whole GPU from the prefill lane."""
-    from bulletserve.engine.cuda_graphs import capture_on_current_stream
-
-    n, steps = 4096, 10
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    pool = torch.cuda.graph_pool_handle()
-
-    def gemms() -> torch.Tensor:
-        for _ in range(steps):
-            out = torch.mm(a, a)
-        return out
-
-    def rate(count: int) -> float:
-        with sms.lane(count):
-            graph = torch.cuda.CUDAGraph()
-            capture_on_current_stream(graph, pool, gemms)
-            graph.replay()
-            sms.synchronize()
-            start = time.perf_counter()
-            for _ in range(3):
-                graph.replay()
-            sms.synchronize()
-            return 3 * steps * 2 * n**3 / (time.perf_counter() - start)
-
-    assert rate(2 * sms.granularity) < 0.5 * rate(sms.total)
-
-
 def test_two_lanes_on_disjoint_groups_run_side_by_side(sms):
     half = sms.total // 2 // sms.granularity * sms.granularity
     alone = _gemm_rate(sms, half)
@@ -146,3 +117,34 @@ def test_decode_graphs_replay_the_eager_greedy_tokens(tiny_llama_dir, reference)
     outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert llm.engine.runner.graphs._graphs  # decode steps did run as graphs
+
+
+def test_a_graph_captured_on_a_green_context_stays_on_its_sms(sms):
+    """--cuda-graphs captures on the lane's stream and replays there: the replay must keep to
+    that stream's SMs, or a decode graph would take the whole GPU from the prefill lane. Last
+    in the file: a capture that fails leaves PyTorch's CUDA generator in capture mode, and every
+    later random draw in the process fails (an H200 run lost this test's error that way)."""
+    from bulletserve.engine.cuda_graphs import capture_on_current_stream
+
+    n, steps = 4096, 10
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    pool = torch.cuda.graph_pool_handle()
+
+    def gemms() -> torch.Tensor:
+        for _ in range(steps):
+            out = torch.mm(a, a)
+        return out
+
+    def rate(count: int) -> float:
+        with sms.lane(count):
+            graph = torch.cuda.CUDAGraph()
+            capture_on_current_stream(graph, pool, gemms)
+            graph.replay()
+            sms.synchronize()
+            start = time.perf_counter()
+            for _ in range(3):
+                graph.replay()
+            sms.synchronize()
+            return 3 * steps * 2 * n**3 / (time.perf_counter() - start)
+
+    assert rate(2 * sms.granularity) < 0.5 * rate(sms.total)
