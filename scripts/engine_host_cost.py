@@ -5,7 +5,10 @@ each engine step is timed whole and its `ModelRunner.execute` call alone, and th
 decode steps (after five) are printed: what scheduling, sampling, detokenization and
 bookkeeping add to a step.
 
-    .venv/bin/python scripts/engine_host_cost.py --batches 1,8,16,32
+    .venv/bin/python scripts/engine_host_cost.py --batches 1,8,16,32 [--temperature 1]
+
+`--temperature` 0 (the default) samples greedily; 1 is what a server request without a
+temperature gets, and what `bullet bench` runs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from bulletserve import LLM, SamplingParams
 
 
-def measure(batch: int, output_len: int) -> tuple[float, float]:
+def measure(batch: int, output_len: int, temperature: float) -> tuple[float, float]:
     """(median engine step seconds, median runner seconds) of full-batch decode steps."""
     engine = LLM(policy="prefill-first", max_model_len=1024, max_num_seqs=batch).engine
     runner_times: list[tuple[int, float]] = []
@@ -30,7 +33,7 @@ def measure(batch: int, output_len: int) -> tuple[float, float]:
         return result
 
     engine.runner.execute = timed
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(i * 31 + j * 7) % 40000 + 5 for j in range(64)], params)
     steps = []
@@ -46,11 +49,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,16,32")
     parser.add_argument("--output-len", type=int, default=40)
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
     print("| batch | engine step ms | runner ms | outside the runner ms |")
     print("|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
-        step, runner = measure(batch, args.output_len)
+        step, runner = measure(batch, args.output_len, args.temperature)
         print(f"| {batch} | {step * 1e3:.2f} | {runner * 1e3:.2f} | {(step - runner) * 1e3:.2f} |")
 
 

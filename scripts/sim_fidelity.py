@@ -23,6 +23,9 @@ from pathlib import Path
 
 from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult, load_result
+from bulletserve.perf.model import StepPrediction
+from bulletserve.perf.state import ExecutionState
+from bulletserve.sim.device import CachedPerfModel
 from bulletserve.sim.request import SimRequest
 from bulletserve.sim.runner import (
     DEFAULT_NOISE,
@@ -91,7 +94,25 @@ def compare(measured: RunResult, simulated: RunResult) -> list[tuple[str, float,
     return rows
 
 
-def simulate_like(result: BenchResult, base: SimConfig, policy: str | None) -> BenchResult:
+class HostTaxedPerfModel(CachedPerfModel):
+    """What-if: every step also costs `per_row_s` of host time per batch row (sampling,
+    detokenization, streaming, and a client on the same cores), on top of the profile's."""
+
+    def __init__(self, perf: CachedPerfModel, per_row_s: float) -> None:
+        super().__init__(perf.cfg, perf.hw, perf.dtype)
+        self.per_row_s = per_row_s
+
+    def predict(self, es: ExecutionState) -> StepPrediction:
+        base = super().predict(es)
+        return StepPrediction(
+            prefill_s=base.prefill_s + self.per_row_s * len(es.prefill_lens),
+            decode_s=base.decode_s + self.per_row_s * len(es.decode_ctx),
+        )
+
+
+def simulate_like(
+    result: BenchResult, base: SimConfig, policy: str | None, host_ms_per_row: float = 0.0
+) -> BenchResult:
     name, chunk = (policy, base.chunked_prefill_size) if policy else policy_of(result.label)
     runs = []
     for run in result.runs:
@@ -110,6 +131,8 @@ def simulate_like(result: BenchResult, base: SimConfig, policy: str | None) -> B
                 config, num_gpu_blocks_override=tokens // config.block_size + len(requests) + 1
             )
         env = setup(config)
+        if host_ms_per_row:
+            env = replace(env, perf=HostTaxedPerfModel(env.perf, host_ms_per_row / 1e3))
         runs.append(
             simulate_requests(config, env, make_sim_policy(config, env), requests, run.request_rate)
         )
@@ -196,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         help="what-if: the host's time per step, in place of the profile's",
     )
     parser.add_argument(
+        "--host-ms-per-row",
+        type=float,
+        default=0.0,
+        help="what-if: host time per batch row added to every step (see HostTaxedPerfModel)",
+    )
+    parser.add_argument(
         "--isolated",
         type=Path,
         help="also compare the isolated latencies of this isolated.json with the profile",
@@ -222,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     for path in args.measured:
         result = load_result(path)
-        simulated = simulate_like(result, base, args.policy)
+        simulated = simulate_like(result, base, args.policy, args.host_ms_per_row)
         if args.out_dir:
             args.out_dir.mkdir(parents=True, exist_ok=True)
             simulated.save(args.out_dir / f"sim-{path.name}")
