@@ -49,6 +49,23 @@ def test_a_green_context_confines_a_gemm_to_its_sms(sms):
     assert _gemm_rate(sms, small, rest=True) > 2 * confined
 
 
+def test_work_after_a_lane_sees_what_the_lane_wrote(sms):
+    """Lane streams are non-blocking: the caller's stream must wait for the lane's work before
+    it reads the results (on an H200, sampling read a replayed graph's logits too early)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for count, rest in (
+        (2 * sms.granularity, False),
+        (2 * sms.granularity, True),
+        (sms.total, False),
+    ):
+        flag = torch.zeros(1, device="cuda")
+        with sms.lane(count, rest=rest):
+            for _ in range(20):  # long enough that an unordered read would come first
+                torch.mm(a, a)
+            flag.fill_(1.0)
+        assert flag.item() == 1.0
+
+
 def test_two_lanes_on_disjoint_groups_run_side_by_side(sms):
     half = sms.total // 2 // sms.granularity * sms.granularity
     alone = _gemm_rate(sms, half)
