@@ -1,4 +1,6 @@
-"""Summarize a `--step-log` file: time per lane and split, step latency, prediction error.
+"""Summarize a `--step-log` file: time per lane and split, step latency, prediction error, and
+the decode lane's steps by batch size (runner time, and the host's time between one
+whole-device decode step's end and the next one's start).
 
 python scripts/analyze_step_log.py docs/data/bench-cpu/bullet.steps.jsonl
 """
@@ -9,6 +11,7 @@ import argparse
 import json
 import statistics
 from collections import defaultdict
+from itertools import pairwise
 from pathlib import Path
 
 
@@ -26,6 +29,7 @@ def summarize(path: Path) -> dict:
             errors[r["lane"]].append(abs(r["predicted_s"] / r["measured_s"] - 1))
     span = records[-1]["time"] - records[0]["time"]
     return {
+        "decode_by_batch": decode_by_batch(records),
         "span_s": span,
         "lane_busy_fraction": {lane: t / span for lane, t in busy.items()},
         "steps": {
@@ -38,6 +42,26 @@ def summarize(path: Path) -> dict:
         },
         "median_tokens_per_step": {lane: statistics.median(v) for lane, v in sizes.items()},
         "median_abs_prediction_error": {lane: statistics.median(v) for lane, v in errors.items()},
+    }
+
+
+def decode_by_batch(records: list[dict], width: int = 4) -> dict[str, dict[str, float]]:
+    """Median runner ms and median gap ms to the next step, for back-to-back decode steps on
+    every unit (a step's `time` is logged at its end), in batch-size bins of `width`."""
+    records = sorted(records, key=lambda r: r["time"])
+    bins: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for step, after in pairwise(records):
+        # Both decodes had every unit (no prefill beside them).
+        if step["lane"] == after["lane"] == "decode" and step["split"][0] == after["split"][0] == 0:
+            gap = after["time"] - after["measured_s"] - step["time"]
+            bins[step["batch_size"] // width].append((step["measured_s"], gap))
+    return {
+        f"{b * width}-{b * width + width - 1}": {
+            "steps": len(v),
+            "runner_ms": statistics.median(m for m, _ in v) * 1e3,
+            "gap_ms": statistics.median(g for _, g in v) * 1e3,
+        }
+        for b, v in sorted(bins.items())
     }
 
 
