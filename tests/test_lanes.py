@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 
 import pytest
+import torch
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.sched.bullet import Split, parse_partition
@@ -192,3 +194,37 @@ def test_step_log_plots_the_split_over_time(tiny_llama_dir, tmp_path):
     log.write_text(log.read_text() + "not json\n")
     with pytest.raises(ValueError, match=r"steps.jsonl:\d+: not a step-log line"):
         plot_step_log(log, [], tmp_path / "split.png")
+
+
+@pytest.mark.parametrize("partition", ["auto", "static:1/1", "none"])
+def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition):
+    """On a CPU every multi-threaded lane step runs on the one team thread (a lane thread that
+    led an OpenMP team of its own would slow every parallel op); single-threaded steps run on
+    the lane threads. Under `none` both lanes may want every thread at once: the second runs
+    beside the busy team thread, on its own."""
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy="bullet",
+        num_threads=2,
+        partition=partition,
+    )
+    seen: list[tuple[str, int]] = []
+    run_layers = llm.engine.model.run_layers
+
+    def recording(*args, **kwargs):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return run_layers(*args, **kwargs)
+
+    llm.engine.model.run_layers = recording
+    try:
+        llm.generate(random_prompts(8, seed=4), GREEDY)
+    finally:
+        llm.engine.close()
+    assert seen
+    on_team = {threads for name, threads in seen if name == "bullet-team"}
+    elsewhere = {(name, threads) for name, threads in seen if name != "bullet-team"}
+    assert on_team == {2}
+    if partition != "none":
+        assert {threads for _, threads in elsewhere} <= {1}

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.engine import LLMEngine, resolve_device
+from bulletserve.partition import TeamThread
 
 
 def create_engine(config: EngineConfig) -> LLMEngine:
     if config.policy == "bullet":
         from bulletserve.engine.lanes import LanedEngine
 
-        return LanedEngine(config)
+        if resolve_device(config.device).type != "cpu":
+            return LanedEngine(config)
+        # Built on the thread that will run its multi-threaded steps (partition.TeamThread).
+        team = TeamThread()
+        try:
+            return team.call(lambda: LanedEngine(config, team))
+        except BaseException:
+            team.stop()
+            raise
     return LLMEngine(config)

@@ -4,26 +4,85 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+@dataclass
+class _Job:
+    fn: Callable[[], object]
+    threads: int | None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: BaseException | None = None
+
+
+class TeamThread:
+    """One OS thread that runs every multi-threaded step of a two-lane engine on a CPU (and
+    builds the engine, so the weights' loading leads no other team).
+
+    GNU OpenMP keeps a pool of workers for each thread that has led a parallel region; once it
+    manages more threads than there are cores it cuts their spin-wait short, and every parallel
+    op then pays a futex wake-up. A SmolLM2 decode step on 2 threads took 1.16-1.18x as long
+    beside an idle thread that had led a team of its own (the same as bullet's decode lane
+    against the single-lane engine, `scripts/lane_decode_cost.py`): two lane threads each
+    leading a team cost that much on every step."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.busy = threading.Lock()  # held by the lane whose step the thread runs
+        self._thread = threading.Thread(target=self._serve, name="bullet-team", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T], threads: int | None = None) -> T:
+        """Run `fn` on the team thread (on `threads` intra-op threads, if given) and return its
+        result or raise its exception."""
+        job = _Job(fn, threads)
+        self._jobs.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if job.threads is not None:
+                    torch.set_num_threads(job.threads)
+                job.result = job.fn()
+            except BaseException as exc:  # handed to the caller, which raises it
+                job.error = exc
+            job.done.set()
+
+
 class CpuThreads:
-    """Units are intra-op threads; `torch.set_num_threads` applies to the calling OS thread."""
+    """Units are intra-op threads; `torch.set_num_threads` applies to the calling OS thread.
+    With a `team`, `run` gives multi-threaded steps to that one thread."""
 
     kind = "cpu"
     granularity = 1
     min_units = 1
     min_remainder = None  # any thread count may run beside another
 
-    def __init__(self, total: int | None = None) -> None:
+    def __init__(self, total: int | None = None, team: TeamThread | None = None) -> None:
         self.total = total or usable_cores()
         self.device = torch.device("cpu")
+        self.team = team
 
     def prepare(self, counts: list[int]) -> None:
         """Nothing to create: a thread count is set when a lane starts its step."""
@@ -37,6 +96,20 @@ class CpuThreads:
             yield
         finally:
             torch.set_num_threads(previous)
+
+    def run(self, units: int, step: Callable[[], T], rest: bool = False) -> T:
+        """`step()` on `units` threads (`rest`: on those the other lane left). A multi-threaded
+        step goes to the team thread when there is one and it is free; a single-threaded one,
+        or one beside a busy team thread (`--partition none` gives both lanes every thread),
+        runs on the calling thread."""
+        threads = self.total - units if rest else units
+        if threads > 1 and self.team is not None and self.team.busy.acquire(blocking=False):
+            try:
+                return self.team.call(step, threads)
+            finally:
+                self.team.busy.release()
+        with self.lane(units, rest):
+            return step()
 
     def synchronize(self) -> None:
         """CPU work is synchronous."""

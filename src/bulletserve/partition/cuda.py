@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
 from bulletserve.partition.errors import UnitsUnavailableError
+
+T = TypeVar("T")
 
 
 def carve_for(units: int, total: int, granularity: int) -> int:
@@ -155,6 +158,11 @@ class GreenContextSMs:
         """Wait for the calling lane's stream only, so two lanes are timed independently."""
         torch.cuda.current_stream(self.device).synchronize()
 
+    def run(self, units: int, step: Callable[[], T], rest: bool = False) -> T:
+        """`step()` on the calling thread, inside `lane(units, rest)`."""
+        with self.lane(units, rest):
+            return step()
+
 
 class WholeGPU:
     """No partitioning: both lanes share every SM (the fallback where green contexts are
@@ -180,3 +188,8 @@ class WholeGPU:
 
     def synchronize(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+    def run(self, units: int, step: Callable[[], T], rest: bool = False) -> T:
+        """`step()` on the calling thread, on every SM."""
+        with self.lane(units, rest):
+            return step()
