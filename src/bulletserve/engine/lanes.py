@@ -23,7 +23,6 @@ from typing import TypeVar
 
 import torch
 
-from bulletserve.engine.async_engine import HANDOFF_WAIT_S
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine, _view
 from bulletserve.engine.request import Request, RequestOutput, RequestState
@@ -81,10 +80,6 @@ class LanedEngine(LLMEngine):
         self._latency = LatencyWindow(self.policy.slo)
         self._step_log = open(config.step_log, "a") if config.step_log else None
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
-        # Decode steps published, and those whose outputs the consumer of `step()` has come
-        # back from (see _await_consumer).
-        self._published_steps = 0
-        self._consumed_steps = 0
         self.lane_error: BaseException | None = None
 
     def _make_policy(self) -> BulletPolicy:
@@ -166,10 +161,6 @@ class LanedEngine(LLMEngine):
             raise RuntimeError(f"a lane failed: {self.lane_error!r}") from self.lane_error
         if not self._threads:
             self._start()
-        with self._state:
-            # Called again: whatever an earlier call returned has been passed on.
-            self._consumed_steps = self._published_steps
-            self._state.notify_all()
         outputs = []
         try:
             outputs.append(self._outputs.get(timeout=0.05))
@@ -262,22 +253,6 @@ class LanedEngine(LLMEngine):
     def _publish(self, requests: list[Request]) -> None:
         for request in requests:
             self._outputs.put(self._output(request))
-
-    def _await_consumer(self) -> None:
-        """On a CPU, wait (bounded by HANDOFF_WAIT_S) until the consumer of `step()` has passed
-        on this decode step's outputs before the next step computes, as the single-lane engine
-        does (async_engine.AsyncEngine._deliver): the server's event loop formatting tokens
-        beside a compute step preempts one of the compute team's threads, and the whole team
-        waits for it at every barrier. The state lock is released while waiting."""
-        if self._team is None:
-            return
-        self._published_steps += 1
-        deadline = time.monotonic() + HANDOFF_WAIT_S
-        while self._consumed_steps < self._published_steps and not self._stop.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._state.wait(timeout=remaining)
 
     def _has_work(self, lane: str) -> bool:
         """Whether the lane has anything to plan: requests or aborts to take in, a prompt to
@@ -545,5 +520,4 @@ class LanedEngine(LLMEngine):
                     for request, token, logprob in zip(alive, tokens, logprobs, strict=True):
                         self._append_token(request, token, logprob, now)
                     self._publish(alive)
-                    self._await_consumer()
                 self._state.notify_all()
