@@ -4,8 +4,10 @@ lead one on a CPU.)
 Times a loop of two small parallel ops (an in-place multiply of 200,000 floats and an 8 x 576
 x 576 bf16 matmul) on 2 threads, alternately alone and while another thread that has led a
 2-thread team waits idle, --rounds times, and prints the medians in microseconds per iteration.
+With --decode it times the default model's decode steps instead (prefill-first, 32 prompts of
+128 token ids, 24 greedy tokens, dummy weights; median ms of the 32-row decode steps).
 
-    .venv/bin/python scripts/omp_two_teams.py --rounds 6
+    .venv/bin/python scripts/omp_two_teams.py --rounds 6 [--decode]
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 # isort: off
 import bulletserve  # noqa: F401  (sets the server's OpenMP wait policy before torch loads)
@@ -39,30 +42,61 @@ def _lead_a_team_then_wait(stop: threading.Event, x: torch.Tensor, w: torch.Tens
     stop.wait()
 
 
+def _decode_timer() -> Callable[[], float]:
+    """A function that generates the decode batch and returns its median 32-row step, ms."""
+    from bulletserve import LLM, SamplingParams
+
+    llm = LLM(load_format="dummy", max_model_len=1024, policy="prefill-first")
+    prompts = [[(i * 7919 + j * 104729) % 40000 + 5 for j in range(128)] for i in range(32)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    execute = llm.engine.runner.execute
+    times: list[float] = []
+
+    def timed(works):
+        start = time.perf_counter()
+        result = execute(works)
+        if len(works) == 32 and all(len(w.token_ids) == 1 for w in works):
+            times.append(time.perf_counter() - start)
+        return result
+
+    llm.engine.runner.execute = timed
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
+    def run() -> float:
+        times.clear()
+        llm.generate(prompts, params)
+        return statistics.median(times) * 1e3
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--decode", action="store_true", help="time model decode steps")
     args = parser.parse_args()
     torch.set_num_threads(2)
     y = torch.randn(200_000)
     x = torch.randn(8, 576, dtype=torch.bfloat16)
     w = torch.randn(576, 576, dtype=torch.bfloat16)
-    _loop(y, x, w)
+    measure = _decode_timer() if args.decode else lambda: _loop(y, x, w)
+    unit = "ms per decode step" if args.decode else "us per iteration"
+    measure()
     alone, beside = [], []
     for _ in range(args.rounds):
-        alone.append(_loop(y, x, w))
+        alone.append(measure())
         stop = threading.Event()
         other = threading.Thread(target=_lead_a_team_then_wait, args=(stop, x, w))
         other.start()
         time.sleep(0.2)
-        beside.append(_loop(y, x, w))
+        beside.append(measure())
         stop.set()
         other.join()
         time.sleep(0.2)
     print("alone        ", [round(v, 1) for v in alone])
     print("beside a team", [round(v, 1) for v in beside])
     print(
-        f"median us per iteration: alone {statistics.median(alone):.1f}, "
+        f"median {unit}: alone {statistics.median(alone):.1f}, "
         f"beside another team {statistics.median(beside):.1f}"
     )
 
