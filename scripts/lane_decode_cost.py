@@ -14,33 +14,27 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+# Run in a fresh process per measurement, with this folder on its path.
 CHILD = """
-import statistics, sys, time
-from bulletserve import LLM, SamplingParams
-policy, model = sys.argv[1], sys.argv[2]
-prompts = [[(i * 7919 + j * 104729) % 40000 + 5 for j in range(128)] for i in range(32)]
-llm = LLM(model=model, load_format="dummy", max_model_len=1024, policy=policy)
-llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-times = []
-execute = llm.engine.runner.execute
-def timed(works):
-    start = time.perf_counter()
-    result = execute(works)
-    if len(works) == 32 and all(len(w.token_ids) == 1 for w in works):
-        times.append(time.perf_counter() - start)
-    return result
-llm.engine.runner.execute = timed
-llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
-if hasattr(llm.engine, "close"):
-    llm.engine.close()
-print(statistics.median(times) * 1e3)
+import sys
+sys.path.insert(0, sys.argv[3])
+from decode_timing import decode_step_timer
+llm, run = decode_step_timer(sys.argv[1], sys.argv[2], 64)
+print(run())
+close = getattr(llm.engine, "close", None)
+if close is not None:
+    close()
 """
 
 
 def run(policy: str, model: str) -> float:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, policy, model], capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, policy, model, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
 

@@ -16,13 +16,14 @@ import argparse
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from functools import partial
 
 # isort: off
 import bulletserve  # noqa: F401  (sets the server's OpenMP wait policy before torch loads)
 import torch
 
 # isort: on
+from decode_timing import decode_step_timer
 
 ITERATIONS = 20_000
 
@@ -42,34 +43,6 @@ def _lead_a_team_then_wait(stop: threading.Event, x: torch.Tensor, w: torch.Tens
     stop.wait()
 
 
-def _decode_timer() -> Callable[[], float]:
-    """A function that generates the decode batch and returns its median 32-row step, ms."""
-    from bulletserve import LLM, SamplingParams
-
-    llm = LLM(load_format="dummy", max_model_len=1024, policy="prefill-first")
-    prompts = [[(i * 7919 + j * 104729) % 40000 + 5 for j in range(128)] for i in range(32)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    execute = llm.engine.runner.execute
-    times: list[float] = []
-
-    def timed(works):
-        start = time.perf_counter()
-        result = execute(works)
-        if len(works) == 32 and all(len(w.token_ids) == 1 for w in works):
-            times.append(time.perf_counter() - start)
-        return result
-
-    llm.engine.runner.execute = timed
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-
-    def run() -> float:
-        times.clear()
-        llm.generate(prompts, params)
-        return statistics.median(times) * 1e3
-
-    return run
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -79,7 +52,10 @@ def main() -> None:
     y = torch.randn(200_000)
     x = torch.randn(8, 576, dtype=torch.bfloat16)
     w = torch.randn(576, 576, dtype=torch.bfloat16)
-    measure = _decode_timer() if args.decode else lambda: _loop(y, x, w)
+    if args.decode:
+        measure = decode_step_timer("prefill-first", "smollm2-135m", 24)[1]
+    else:
+        measure = partial(_loop, y, x, w)
     unit = "ms per decode step" if args.decode else "us per iteration"
     measure()
     alone, beside = [], []

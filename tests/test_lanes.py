@@ -18,6 +18,13 @@ from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
+def _bullet_llm(model_dir, **settings) -> LLM:
+    """The tiny model in fp32 under the bullet policy."""
+    return LLM(
+        model=str(model_dir), dtype="float32", max_model_len=256, policy="bullet", **settings
+    )
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, policy="prefill-first")
@@ -37,15 +44,7 @@ def reference(tiny_llama_dir):
 )
 def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings, tmp_path):
     log = tmp_path / "steps.jsonl"
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="bullet",
-        num_threads=2,
-        step_log=str(log),
-        **settings,
-    )
+    llm = _bullet_llm(tiny_llama_dir, num_threads=2, step_log=str(log), **settings)
     try:
         outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
         assert [o.token_ids for o in outputs] == reference
@@ -67,11 +66,8 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
 
 
 def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="bullet",
+    llm = _bullet_llm(
+        tiny_llama_dir,
         prefill_layers_per_step=1,
         kv_cache_memory=str(24 * TINY_LLAMA_BLOCK_BYTES),
     )
@@ -96,13 +92,7 @@ def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):
 
 
 def test_abort_in_either_lane_frees_blocks(tiny_llama_dir):
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="bullet",
-        prefill_layers_per_step=1,
-    )
+    llm = _bullet_llm(tiny_llama_dir, prefill_layers_per_step=1)
     engine = llm.engine
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     try:
@@ -129,13 +119,7 @@ def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
     """While the decode lane computes its batch, the prefill lane must still see that batch:
     a prefill lane that saw no decodes planned the whole device for itself, waited for units
     the decode lane kept taking, and starved (TTFTs of 15 s in the CPU benchmark)."""
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="bullet",
-        num_threads=2,
-    )
+    llm = _bullet_llm(tiny_llama_dir, num_threads=2)
     engine = llm.engine
     if engine.units.total < 2:
         engine.close()
@@ -178,13 +162,7 @@ def test_step_log_plots_the_split_over_time(tiny_llama_dir, tmp_path):
     from bulletserve.bench.steplog import plot_step_log
 
     log = tmp_path / "steps.jsonl"
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="bullet",
-        step_log=str(log),
-    )
+    llm = _bullet_llm(tiny_llama_dir, step_log=str(log))
     try:
         llm.generate(random_prompts(4, seed=24), GREEDY)
     finally:
@@ -202,14 +180,7 @@ def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition
     led an OpenMP team of its own would slow every parallel op); single-threaded steps run on
     the lane threads. Under `none` both lanes may want every thread at once: the second runs
     beside the busy team thread, on its own."""
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        policy="bullet",
-        num_threads=2,
-        partition=partition,
-    )
+    llm = _bullet_llm(tiny_llama_dir, num_threads=2, partition=partition)
     seen: list[tuple[str, int]] = []
     run_layers = llm.engine.model.run_layers
 

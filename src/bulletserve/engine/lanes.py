@@ -263,9 +263,9 @@ class LanedEngine(LLMEngine):
 
     def _wait(self, lane: str) -> None:
         """Sleep until notified (a request arrives or leaves, a step ends, units free up); poll
-        quickly only while the lane holds back work of its own. An idle lane that polled, or
-        planned at every wake-up, took the GIL and a core from the other lane's compute threads
-        (bullet's decode steps took 1.29x the single-lane engine's, 1.14x without the polling)."""
+        quickly only while the lane holds back work of its own: an idle lane that polled, or
+        planned at every wake-up, would take the GIL and a core from the other lane's compute
+        threads."""
         self._state.wait(timeout=IDLE_WAIT_S if self._has_work(lane) else 0.5)
 
     def _share(self, lane: str, split: Split) -> int:
