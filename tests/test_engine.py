@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -240,3 +241,36 @@ def test_tokenizer_flag_takes_a_tokenizer_folder(tmp_path):
     with pytest.raises(ValueError, match="--tokenizer .* does not exist"):
         EngineConfig(tokenizer=str(tmp_path / "missing"))
     assert engine.tokenize("hello world") == load_tokenizer(None).encode("hello world")
+
+
+@pytest.mark.parametrize(("policy", "chunk"), [("prefill-first", None), ("chunked", 16)])
+def test_the_single_lane_engine_writes_a_step_log(tiny_llama_dir, tmp_path, policy, chunk):
+    log = tmp_path / "steps.jsonl"
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        policy=policy,
+        chunked_prefill_size=chunk,
+        num_threads=2,
+        step_log=str(log),
+    )
+    prompts = random_prompts(6, seed=31)
+    outputs = llm.generate(prompts, GREEDY)
+    llm.engine.close()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    # Every prompt token and every fed-back output token was computed in a logged step.
+    fed_back = sum(len(o.token_ids) - 1 for o in outputs)
+    assert sum(r["tokens"] for r in records) == sum(len(p) for p in prompts) + fed_back
+    assert sum(r["decode_seqs"] for r in records) == fed_back
+    for r in records:
+        assert r["measured_s"] > 0 and r["batch_size"] >= 1
+        assert r["split"] == [2 if r["prefill_tokens"] else 0, 2 if r["decode_seqs"] else 0]
+        if not r["prefill_tokens"]:
+            assert r["lane"] == "decode"
+        else:
+            assert r["lane"] == ("hybrid" if r["decode_seqs"] else "prefill")
+    lanes = {r["lane"] for r in records}
+    assert {"prefill", "decode"} <= lanes
+    if policy == "chunked":
+        assert "hybrid" in lanes

@@ -132,4 +132,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="run a prefill in groups of N layers so the split can change inside it",
     )
     bullet.add_argument("--hardware-profile", default=None, help="a `bullet profile` JSON file")
-    bullet.add_argument("--step-log", default=None, help="write one JSON line per lane step")
+    bullet.add_argument(
+        "--step-log", default=None, help="write one JSON line per step (per lane step under bullet)"
+    )

@@ -7,6 +7,7 @@ own thread and is the only place that changes request state.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections import deque
@@ -96,6 +97,8 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.num_preemptions = 0
+        # --step-log: one JSON line per step (the laned engine's lanes write it too).
+        self._step_log = open(config.step_log, "a") if config.step_log else None
 
     def _make_policy(self) -> Policy:
         return make_policy(self.config.policy, self.config.chunk_size)
@@ -162,7 +165,10 @@ class LLMEngine:
         return {}
 
     def close(self) -> None:
-        """Stop background work (the laned engine's threads); the single lane has none."""
+        """Stop background work (the laned engine's threads; the single lane has none) and
+        close the step log."""
+        if self._step_log:
+            self._step_log.close()
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -184,12 +190,14 @@ class LLMEngine:
             self.running.append(request)
             by_id[request_id] = request
         works = []
+        decodes = 0  # sequences feeding back their last sampled token
         now = time.monotonic()
         for item in plan.scheduled:
             request = by_id[item.request_id]
             self._grow_blocks(request, request.num_computed_tokens + item.num_tokens)
             start = request.num_computed_tokens
             end = start + item.num_tokens
+            decodes += bool(request.output_token_ids) and start == request.num_tokens - 1
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
             works.append(
@@ -200,7 +208,10 @@ class LLMEngine:
                     end == request.num_tokens,
                 )
             )
+        started = time.perf_counter()
         logits, sampling = self.runner.execute(works)
+        if self._step_log:
+            self._log_step(works, decodes, time.perf_counter() - started)
         for item in plan.scheduled:
             request = by_id[item.request_id]
             request.num_computed_tokens += item.num_tokens
@@ -216,6 +227,36 @@ class LLMEngine:
         for request in sampled:
             outputs.append(self._output(request))
         return outputs
+
+    def _log_step(self, works: list[SeqWork], decodes: int, launched_s: float) -> None:
+        """One step-log line in the simulator's single-lane form (no prediction: this engine
+        has no performance model): a step with prefill chunks and decodes is `hybrid`, and the
+        split gives every unit to the phases that ran."""
+        if self.device.type == "cuda":
+            started = time.perf_counter() - launched_s
+            torch.cuda.synchronize(self.device)  # the step's device time, not its launch time
+            launched_s = time.perf_counter() - started
+        prefill_tokens = sum(len(w.token_ids) for w in works) - decodes
+        lane = ("hybrid" if decodes else "prefill") if prefill_tokens else "decode"
+        units = self._log_units()
+        record = {
+            "time": time.monotonic(),
+            "lane": lane,
+            "split": [units if prefill_tokens else 0, units if decodes else 0],
+            "batch_size": len(works),
+            "tokens": prefill_tokens + decodes,
+            "prefill_tokens": prefill_tokens,
+            "decode_seqs": decodes,
+            "measured_s": launched_s,
+        }
+        self._step_log.write(json.dumps(record) + "\n")
+        self._step_log.flush()
+
+    def _log_units(self) -> int:
+        """The device's units, as the step log counts them: SMs on a GPU, threads on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).multi_processor_count
+        return torch.get_num_threads()
 
     def snapshot(self) -> SchedulerSnapshot:
         return SchedulerSnapshot(

@@ -78,7 +78,6 @@ class LanedEngine(LLMEngine):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._latency = LatencyWindow(self.policy.slo)
-        self._step_log = open(config.step_log, "a") if config.step_log else None
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
         self.lane_error: BaseException | None = None
 
