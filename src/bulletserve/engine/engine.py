@@ -211,7 +211,7 @@ class LLMEngine:
         started = time.perf_counter()
         logits, sampling = self.runner.execute(works)
         if self._step_log:
-            self._log_step(works, decodes, time.perf_counter() - started)
+            self._log_step(works, decodes, started)
         for item in plan.scheduled:
             request = by_id[item.request_id]
             request.num_computed_tokens += item.num_tokens
@@ -228,14 +228,13 @@ class LLMEngine:
             outputs.append(self._output(request))
         return outputs
 
-    def _log_step(self, works: list[SeqWork], decodes: int, launched_s: float) -> None:
+    def _log_step(self, works: list[SeqWork], decodes: int, started: float) -> None:
         """One step-log line in the simulator's single-lane form (no prediction: this engine
         has no performance model): a step with prefill chunks and decodes is `hybrid`, and the
-        split gives every unit to the phases that ran."""
+        split gives every unit to the phases that ran. `started`: the step's perf_counter."""
         if self.device.type == "cuda":
-            started = time.perf_counter() - launched_s
             torch.cuda.synchronize(self.device)  # the step's device time, not its launch time
-            launched_s = time.perf_counter() - started
+        measured = time.perf_counter() - started
         prefill_tokens = sum(len(w.token_ids) for w in works) - decodes
         lane = ("hybrid" if decodes else "prefill") if prefill_tokens else "decode"
         units = self._log_units()
@@ -247,7 +246,7 @@ class LLMEngine:
             "tokens": prefill_tokens + decodes,
             "prefill_tokens": prefill_tokens,
             "decode_seqs": decodes,
-            "measured_s": launched_s,
+            "measured_s": measured,
         }
         self._step_log.write(json.dumps(record) + "\n")
         self._step_log.flush()

@@ -177,8 +177,7 @@ class LanedEngine(LLMEngine):
             thread.join(timeout=10)
         if self._team is not None:
             self._team.stop()
-        if self._step_log:
-            self._step_log.close()
+        super().close()
 
     def _start(self) -> None:
         space = self.policy.units

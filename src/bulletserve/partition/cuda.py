@@ -56,7 +56,23 @@ class _ThreadStreams:
         return stream
 
 
-class GreenContextSMs:
+class _GpuUnits:
+    """What both GPU partitioners share (each defines `lane`): a lane's step runs on the
+    calling thread, inside `lane(units, rest)`, and is timed on that lane's stream alone."""
+
+    device: torch.device
+
+    def synchronize(self) -> None:
+        """Wait for the calling lane's stream only, so two lanes are timed independently."""
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def run(self, units: int, step: Callable[[], T], rest: bool = False) -> T:
+        """`step()` on the calling thread, inside `lane(units, rest)`."""
+        with self.lane(units, rest):
+            return step()
+
+
+class GreenContextSMs(_GpuUnits):
     """Units are SMs of one CUDA device, split into disjoint green contexts through the driver
     API (`cuDevSmResourceSplitByCount`): one group of the lane's SMs and the remainder, each
     with its own stream. Needs CUDA and the `cuda-bindings` package (CUDA >= 12.4 driver)."""
@@ -154,17 +170,8 @@ class GreenContextSMs:
         with _on_stream(remainder if rest else group):
             yield
 
-    def synchronize(self) -> None:
-        """Wait for the calling lane's stream only, so two lanes are timed independently."""
-        torch.cuda.current_stream(self.device).synchronize()
 
-    def run(self, units: int, step: Callable[[], T], rest: bool = False) -> T:
-        """`step()` on the calling thread, inside `lane(units, rest)`."""
-        with self.lane(units, rest):
-            return step()
-
-
-class WholeGPU:
+class WholeGPU(_GpuUnits):
     """No partitioning: both lanes share every SM (the fallback where green contexts are
     unavailable, and the paper's naive ablation)."""
 
@@ -185,11 +192,3 @@ class WholeGPU:
         """Run the body on every SM, on the calling thread's own stream."""
         with _on_stream(self._whole.current()):
             yield
-
-    def synchronize(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
-
-    def run(self, units: int, step: Callable[[], T], rest: bool = False) -> T:
-        """`step()` on the calling thread, on every SM."""
-        with self.lane(units, rest):
-            return step()
