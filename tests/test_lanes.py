@@ -137,7 +137,8 @@ def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
     engine.add_request(random_prompts(1, seed=25)[0], GREEDY)
     with engine._state:
         # Recent requests missed both SLOs: the policy balances the lanes (a 1/1 split).
-        engine._latency.add(1.0, 10, 1.0)
+        engine._latency.first_token(1.0, 10)
+        engine._latency.finished(1.0)
         decode_view = engine.policy.plan_decode(engine._snapshot())
         assert decode_view.split.decode > 0 and decode_view.split.prefill > 0
         # The decode lane starts its step on its share of the units...

@@ -131,6 +131,12 @@ def test_plans_are_valid(name):
                     passed = [s for s in risky if s.request_id not in step.admitted]
                     assert all(policy.at_risk(s, snap.now) for s in admitted) or not passed
         total = policy.units.total
+        batch = snap.prefill.requests if snap.prefill else ()
+        if step is not None and step.admitted:
+            batch = tuple(s for s in snap.waiting if s.request_id in step.admitted)
+        if policy.partition == "auto" and any(policy.at_risk(s, snap.now) for s in batch):
+            # An at-risk prompt is never starved: its lane keeps units whatever TPOT does.
+            assert prefill_plan.split.prefill > 0 and decode_plan.split.prefill > 0
         if prefill_plan.prefill is None and snap.decoding:  # nothing can prefill
             assert prefill_plan.split == decode_plan.split == Split(0, total)
         if not snap.decoding and prefill_plan.prefill is not None:
@@ -212,6 +218,36 @@ def test_cpu_prefill_takes_the_device_while_tpot_holds():
     assert gpu.plan_prefill(snap(132, 64, 0.05)).split.decode > 0
 
 
+def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
+    """While P90 TPOT misses, decode takes units from prefill one granule a step; it may take
+    them all only until a waiting prompt is at risk (the window's TTFT, fed at first tokens,
+    cannot show a prefill that is not running)."""
+    decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(30))
+
+    def snap(total: int, waited_s: float) -> BulletSnapshot:
+        waiting = (SeqView("w", 100.0 - waited_s, 40, 0, 0),)
+        stats = LatencyStats(0.5, 0.2)  # recent first tokens in time; TPOT over its 150 ms
+        return BulletSnapshot(
+            100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, Split(0, total)
+        )
+
+    for name, total in (("cpu", 2), ("h100", 132)):
+        policy = POLICIES[name]
+        assert policy.plan_decode(snap(total, 0.0)).split == Split(0, total)
+        late = snap(total, 1.0)
+        assert policy.at_risk(late.waiting[0], late.now)
+        for plan in (policy.plan_prefill(late), policy.plan_decode(late)):
+            assert 0 < plan.split.prefill < total
+
+
+def test_the_window_counts_ttft_at_the_first_token():
+    window = LatencyWindow(Slo(ttft_per_token_s=1e-3, tpot_s=0.1))
+    window.first_token(0.2, 100)  # twice its 100 ms SLO, while the request still decodes
+    assert window.stats() == LatencyStats(p90_ttft_over_slo=pytest.approx(2.0))
+    window.finished(0.05)
+    assert window.stats().p90_tpot_s == pytest.approx(0.05)
+
+
 def test_static_and_none_partitions():
     static = make_policy(CPU, partition="static", static=Split(1, 1))
     none = make_policy(CPU, partition="none")
@@ -245,7 +281,7 @@ def test_ttft_slo_with_a_fixed_part():
     assert slo.ttft_s(10) == pytest.approx(0.53)
     window = LatencyWindow(slo)
     for ttft, tokens in ((0.53, 10), (0.25, 10), (1.1, 200)):
-        window.add(ttft, tokens, None)
+        window.first_token(ttft, tokens)
     assert window.stats().p90_ttft_over_slo == pytest.approx(1.0)
 
 

@@ -245,8 +245,9 @@ class LanedEngine(LLMEngine):
         t = request.timings
         if state is RequestState.FINISHED and t.first_token is not None:
             outputs = len(request.output_token_ids)
-            tpot = (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
-            self._latency.add(t.first_token - t.arrival, len(request.prompt_token_ids), tpot)
+            self._latency.finished(
+                (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
+            )
 
     def _publish(self, requests: list[Request]) -> None:
         for request in requests:
@@ -447,6 +448,9 @@ class LanedEngine(LLMEngine):
         now = time.monotonic()
         for request, token, logprob in zip(live, tokens, logprobs, strict=True):
             self.running.append(request)
+            if not request.output_token_ids:  # not a recomputation after preemption
+                ttft = now - request.timings.arrival
+                self._latency.first_token(ttft, len(request.prompt_token_ids))
             self._append_token(request, token, logprob, now)
         self._publish(live)
 

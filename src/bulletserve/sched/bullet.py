@@ -84,17 +84,22 @@ class LatencyStats:
 
 
 class LatencyWindow:
-    """P90 TTFT (over each request's own TTFT SLO) and TPOT over the last STATS_WINDOW
-    finished requests; the engine and the simulator feed it the same way."""
+    """P90 TTFT (over each request's own TTFT SLO) over the last STATS_WINDOW first tokens and
+    P90 TPOT over the last STATS_WINDOW finished requests; the engine and the simulator feed
+    it the same way. TTFT is counted when the first token comes, not when the request ends:
+    with outputs of hundreds of tokens the window would otherwise report the TTFT of requests
+    that arrived many seconds ago, and a prefill starved since would go unseen."""
 
     def __init__(self, slo: Slo) -> None:
         self.slo = slo
         self.ttft_over_slo: deque[float] = deque(maxlen=STATS_WINDOW)
         self.tpot: deque[float] = deque(maxlen=STATS_WINDOW)
 
-    def add(self, ttft_s: float, prompt_tokens: int, tpot_s: float | None) -> None:
-        """One finished request; tpot_s is None when it produced a single token."""
+    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self.ttft_over_slo.append(ttft_s / self.slo.ttft_s(prompt_tokens))
+
+    def finished(self, tpot_s: float | None) -> None:
+        """A request ended; tpot_s is None when it produced a single token."""
         if tpot_s is not None:
             self.tpot.append(tpot_s)
 
@@ -271,7 +276,11 @@ class BulletPolicy:
             decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
-        ttft_ok = stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0
+        # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
+        # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
+        # until prefill had none, and no first token (the only TTFT evidence) would come.
+        risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
+        ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         # A burst: prefill takes the device while TPOT still holds. On a GPU the lanes gain from
         # running together, so only an at-risk prefill pauses decode, and only when decode can
         # wait out the step within one TPOT. On a CPU co-running is zero-sum (each lane runs at
@@ -280,8 +289,7 @@ class BulletPolicy:
         # the window's P90 TPOT holds, and the split below protects TPOT once it does not.
         if tpot_ok and self.perf.hw.kind == "cpu":
             return Split(total, 0)
-        at_risk = tpot_ok and any(self.at_risk(s, snap.now) for s in prefill_batch)
-        if at_risk and self._decode_can_pause(lens, decode_ctx, layers):
+        if tpot_ok and risky and self._decode_can_pause(lens, decode_ctx, layers):
             return Split(total, 0)
         if not ttft_ok and not tpot_ok:
             decode_units = self._round_down(total // 2) or self.units.counts()[0]

@@ -266,12 +266,14 @@ class LanedSimulator:
         if not times or request.finished_at is None:
             return
         tpot = (request.finished_at - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        self.window.add(times[0] - request.arrival, request.input_len, tpot)
+        self.window.finished(tpot)
 
     def _finish_prefill(self, now: float) -> None:
         batch, self.prefill_batch = self.prefill_batch or [], None
         for request in batch:
             request.num_computed_tokens = request.num_tokens
             self.state.running.append(request)
+            if not request.token_times:  # not a recomputation after preemption
+                self.window.first_token(now - request.arrival, request.input_len)
             if self.state.append_token(request, now):
                 self._record_latency(request)
