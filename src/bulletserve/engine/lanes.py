@@ -261,11 +261,17 @@ class LanedEngine(LLMEngine):
         return bool(self.running)
 
     def _wait(self, lane: str) -> None:
-        """Sleep until notified (a request arrives or leaves, a step ends, units free up); poll
-        quickly only while the lane holds back work of its own: an idle lane that polled, or
-        planned at every wake-up, would take the GIL and a core from the other lane's compute
-        threads."""
-        self._state.wait(timeout=IDLE_WAIT_S if self._has_work(lane) else 0.5)
+        """Sleep until notified (a request arrives or leaves, a step ends, units free up). Poll
+        quickly only while the lane holds back work of its own and the other lane leaves it
+        units to start on (its plan may change with time: a prompt comes at risk). While the
+        other lane's step holds every unit nothing can start before that step ends, which
+        notifies; a lane that planned every few ms meanwhile would take the GIL and a core from
+        the compute threads (0.5 ms of Python every 5 ms on another thread slowed a 2-thread
+        decode step 7-9%: `scripts/poll_cost.py`)."""
+        other = "decode" if lane == "prefill" else "prefill"
+        blocked = self.policy.partition != "none" and self._computing[other] >= self.units.total
+        poll = self._has_work(lane) and not blocked
+        self._state.wait(timeout=IDLE_WAIT_S if poll else 0.5)
 
     def _share(self, lane: str, split: Split) -> int:
         """The units a lane's step runs on under `split`: prefill on its units, decode on the

@@ -4,7 +4,8 @@ Each lane loops as in the engine: snapshot, plan (the split it returns comes int
 plan's bookkeeping, then its step on its own units; at the step's end the lane updates the state
 and wakes the other lane. A lane with nothing to run waits until woken by an arrival or by the
 other lane's step end, or polls every IDLE_WAIT_S when the plan it waits on depends on time
-(a paused batch, or nothing stepping while work exists), as the engine's condition timeout does.
+(a paused batch, or nothing stepping while work exists) and the other lane's step does not hold
+every unit, as the engine's condition timeout does.
 On one event, lanes act prefill first.
 
 Durations: a lane's step progresses at the rate the performance model predicts for the current
@@ -118,7 +119,13 @@ class LanedSimulator:
     def _wait(self, lane: str, now: float, time_dependent: bool) -> None:
         nothing_steps = all(s is None for s in self.steps.values())
         work = self.state.waiting or self.state.running or self.prefill_batch is not None
-        poll = time_dependent or (nothing_steps and work)
+        other = self.steps["decode" if lane == "prefill" else "prefill"]
+        # As in the engine: no polling while the other lane's step holds every unit (its end
+        # wakes this lane).
+        blocked = (
+            self.policy.partition != "none" and other is not None and other.units >= self.total
+        )
+        poll = (time_dependent or (nothing_steps and work)) and not blocked
         self.wake_at[lane] = now + IDLE_WAIT_S if poll else math.inf
 
     def _fail(self, reason: str) -> None:
