@@ -169,32 +169,34 @@ def test_at_risk_request_goes_first_and_short_ones_otherwise():
     assert policy.plan_prefill(snap).prefill.admitted[0] == "late"
 
 
-def test_decode_gets_fewest_units_that_keep_tpot():
+def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill():
+    from bulletserve.perf.state import ExecutionState
+
     policy = POLICIES["h100"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 1000, 999, 63) for i in range(32))
-    waiting = (SeqView("w", 99.9, 2000, 0, 0),)
-    snap = BulletSnapshot(
-        100.0,
-        waiting,
-        None,
-        decoding,
-        10_000,
-        BLOCK,
-        64,
-        16384,
-        LatencyStats(1e-3, 0.05),
-        Split(66, 66),
-    )
-    split = policy.plan_prefill(snap).split
-    assert 0 < split.decode < 132 and split.prefill == 132 - split.decode
-    fewer = Split(132 - (split.decode - 8), split.decode - 8)
-    if fewer.decode >= 8:  # one granule less would break the TPOT budget
-        from bulletserve.perf.state import ExecutionState
+    budget = 0.15 * 0.8
+    ctx = tuple(s.num_tokens for s in decoding)
 
-        es = ExecutionState(
-            (2000,), (0,), fewer.prefill, tuple(s.num_tokens for s in decoding), fewer.decode
+    def predict(prompt: int, decode_units: int):
+        es = ExecutionState((prompt,), (0,), 132 - decode_units, ctx + (prompt + 1,), decode_units)
+        return policy.perf.predict(es)
+
+    for prompt in (2000, 64):  # a long prefill, and one much shorter than the decode step
+        waiting = (SeqView("w", 99.9, prompt, 0, 0),)
+        stats = LatencyStats(1e-3, 0.05)
+        snap = BulletSnapshot(
+            100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, Split(66, 66)
         )
-        assert policy.perf.predict(es).decode_s > 0.15 * 0.8
+        split = policy.plan_prefill(snap).split
+        assert 0 < split.decode < 132 and split.prefill == 132 - split.decode
+        chosen = predict(prompt, split.decode)
+        assert chosen.decode_s <= budget and chosen.decode_s <= chosen.prefill_s
+        if split.decode - 8 >= 8:  # one granule less keeps TPOT no more, or outlasts prefill
+            fewer = predict(prompt, split.decode - 8)
+            assert fewer.decode_s > budget or fewer.decode_s > fewer.prefill_s
+        keeps_tpot = min(d for d in range(8, 132, 8) if predict(prompt, d).decode_s <= budget)
+        if prompt == 64:  # the short prefill: decode gets more than TPOT alone asks for
+            assert split.decode > keeps_tpot
 
 
 def test_cpu_prefill_takes_the_device_while_tpot_holds():

@@ -307,11 +307,19 @@ class BulletPolicy:
     def _fewest_decode_units(
         self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
     ) -> int:
-        """Fewest units that keep the co-running decode step within the TPOT SLO (leaving the
-        prefill lane at least its minimum); all but the minimum when none does."""
+        """Fewest units that keep the co-running decode step within the TPOT SLO and that
+        it does not outlast the prefill step beside it (leaving the prefill lane at least its
+        minimum); all but the minimum when none does.
+
+        A step keeps its units until it ends, so a decode step squeezed onto the fewest units
+        that keep TPOT beside a short prefill (one prompt, a few ms) runs for most of a TPOT
+        after the prefill's units have gone idle: simulated on an A100, 20 req/s of
+        sharegpt-like left the prefill lane 19% busy while 250-sequence decode steps took
+        115 ms on 20 of 108 SMs (25 ms on all 108)."""
         counts = self.units.counts()
         budget = self.slo.tpot_s * TPOT_HEADROOM
         candidates = [d for d in counts if self.units.total - d >= self.units.least_remainder]
+        keeps_tpot = None
         for d in candidates:
             es = ExecutionState(
                 prefill_lens=prefill_lens,
@@ -320,7 +328,9 @@ class BulletPolicy:
                 decode_units=d,
                 prefill_layers=layers,
             )
-            if self.perf.predict(es).decode_s <= budget:
+            prediction = self.perf.predict(es)
+            keeps_tpot = keeps_tpot or prediction.decode_s <= budget
+            if keeps_tpot and prediction.decode_s <= prediction.prefill_s:
                 return d
         return candidates[-1] if candidates else counts[0]
 
