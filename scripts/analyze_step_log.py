@@ -46,20 +46,25 @@ def summarize(path: Path) -> dict:
 
 
 def decode_by_batch(records: list[dict], width: int = 4) -> dict[str, dict[str, float]]:
-    """Median runner ms and median gap ms to the next step, for back-to-back decode steps on
-    every unit (a step's `time` is logged at its end), in batch-size bins of `width`."""
+    """Median step ms, runner ms and gap ms to the next step, for back-to-back decode steps on
+    every unit (a step's `time` is logged at its end), in batch-size bins of `width`. The
+    step is `measured_s` (for a lane: from the plan's end to the step's end, with the hand-off
+    to the thread that runs the model); the runner is `runner_s` where the log has it (the
+    model's own time), else the step."""
     records = sorted(records, key=lambda r: r["time"])
-    bins: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    bins: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
     for step, after in pairwise(records):
         # Both decodes had every unit (no prefill beside them).
         if step["lane"] == after["lane"] == "decode" and step["split"][0] == after["split"][0] == 0:
             gap = after["time"] - after["measured_s"] - step["time"]
-            bins[step["batch_size"] // width].append((step["measured_s"], gap))
+            runner = step.get("runner_s", step["measured_s"])
+            bins[step["batch_size"] // width].append((step["measured_s"], runner, gap))
     return {
         f"{b * width}-{b * width + width - 1}": {
             "steps": len(v),
-            "runner_ms": statistics.median(m for m, _ in v) * 1e3,
-            "gap_ms": statistics.median(g for _, g in v) * 1e3,
+            "step_ms": statistics.median(m for m, _, _ in v) * 1e3,
+            "runner_ms": statistics.median(r for _, r, _ in v) * 1e3,
+            "gap_ms": statistics.median(g for _, _, g in v) * 1e3,
         }
         for b, v in sorted(bins.items())
     }

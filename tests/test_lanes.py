@@ -57,6 +57,7 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
     assert {r["lane"] for r in records} == {"prefill", "decode"}
     for record in records:
         assert record["measured_s"] > 0 and record["predicted_s"] > 0
+        assert 0 < record["runner_s"] <= record["measured_s"]  # the model's time within the step
         assert len(record["split"]) == 2
     layer_ranges = [tuple(r["layers"]) for r in records if r["lane"] == "prefill"]
     if settings.get("prefill_layers_per_step") == 1:

@@ -369,7 +369,7 @@ class LanedEngine(LLMEngine):
                     self._admit(plan)
                 batch = self._prefill
             start = time.perf_counter()
-            hidden, logits = self._on_units(
+            hidden, logits, runner_s = self._on_units(
                 "prefill", plan.split, partial(self._prefill_step, batch, plan.prefill)
             )
             measured = time.perf_counter() - start
@@ -390,6 +390,7 @@ class LanedEngine(LLMEngine):
                     batch_size=len(batch.requests),
                     tokens=sum(r.num_tokens for r in batch.requests),
                     layers=[plan.prefill.layer_start, plan.prefill.layer_end],
+                    runner_s=runner_s,
                 )
                 if logits is not None:
                     self._finish_prefill(batch, logits)
@@ -398,8 +399,10 @@ class LanedEngine(LLMEngine):
     @torch.inference_mode()
     def _prefill_step(
         self, batch: PrefillBatch, step: PrefillStep
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer group's hidden states, and the logits when it was the last group."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """The layer group's hidden states, the logits when it was the last group, and the
+        seconds the model took (on the thread that ran it, without the hand-off to it)."""
+        start = time.perf_counter()
         hidden = batch.hidden
         if hidden is None:
             hidden = self.model.embed(batch.batch.input_ids)
@@ -415,12 +418,13 @@ class LanedEngine(LLMEngine):
         if step.layer_end == self.model_config.num_layers:
             logits = self.model.logits(hidden, batch.batch.logits_rows)
         self.units.synchronize()  # the step's device time, not its launch time
-        return hidden, logits
+        return hidden, logits, time.perf_counter() - start
 
-    def _decode_step(self, works: list[SeqWork]) -> torch.Tensor:
+    def _decode_step(self, works: list[SeqWork]) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
         logits, _ = self.runner.execute(works)
         self.units.synchronize()
-        return logits
+        return logits, time.perf_counter() - start
 
     def _admit(self, plan: BulletPlan) -> None:
         admitted = set(plan.prefill.admitted)
@@ -497,7 +501,9 @@ class LanedEngine(LLMEngine):
                 if self._prefill is not None:
                     prefill_lens = tuple(r.num_tokens for r in self._prefill.requests)
             start = time.perf_counter()
-            logits = self._on_units("decode", plan.split, partial(self._decode_step, works))
+            logits, runner_s = self._on_units(
+                "decode", plan.split, partial(self._decode_step, works)
+            )
             measured = time.perf_counter() - start
             with self._state:
                 self._busy.difference_update(r.request_id for r in requests)
@@ -511,6 +517,7 @@ class LanedEngine(LLMEngine):
                     measured,
                     batch_size=len(requests),
                     tokens=len(requests),
+                    runner_s=runner_s,
                 )
                 live = []
                 for row, request in enumerate(requests):
