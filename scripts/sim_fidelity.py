@@ -9,6 +9,11 @@ measured, so early stops count) and arrival times, at the same SLOs. The policy 
 result's label (`bullet...`, `chunked-N`, `prefill-first`) unless --policy says otherwise.
 Engine settings default to `bullet serve`'s; the KV pool is unbounded unless
 --num-gpu-blocks-override gives the server's.
+
+--group: the files are repeats of the same sweeps (several runs of each label, e.g. the same
+configuration from different days); each figure is then the median over the runs that have its
+rate, measured and simulated, beside the measured runs' own spread (largest over smallest, -1):
+a difference inside that spread is one this machine cannot resolve.
 """
 
 from __future__ import annotations
@@ -192,6 +197,50 @@ def what_if_profile(path: str, slowdown: float, step_overhead_ms: float | None) 
     return name
 
 
+def grouped_table(paths: list[Path], base: SimConfig, policy: str | None, per_row: float) -> float:
+    """The --group comparison; returns the largest difference of medians."""
+    import statistics
+    from collections import defaultdict
+
+    # (label, rate, metric) -> measured values, simulated values
+    figures: dict[tuple[str, float, str], tuple[list[float], list[float]]] = defaultdict(
+        lambda: ([], [])
+    )
+    for path in paths:
+        result = load_result(path)
+        label = result.label.split()[0]
+        simulated = simulate_like(result, base, policy, per_row)
+        for measured_run, sim_run in zip(result.runs, simulated.runs, strict=True):
+            for name, m, s, _ in compare(measured_run, sim_run):
+                measured, sims = figures[(label, measured_run.request_rate, name)]
+                measured.append(m)
+                sims.append(s)
+    print("| config | rate | metric | measured (median of n) | spread | simulated | difference |")
+    print("|---|---|---|---|---|---|---|")
+    worst, misses, unresolved = 0.0, 0, 0
+    for (label, rate, name), (measured, sims) in sorted(figures.items()):
+        m, s = statistics.median(measured), statistics.median(sims)
+        spread = max(measured) / min(measured) - 1
+        diff = s / m - 1
+        worst = max(worst, abs(diff))
+        flag = ""
+        if abs(diff) > TARGET:
+            misses += 1
+            flag = " **"
+            if abs(diff) <= spread:
+                unresolved += 1
+                flag = " * (within the spread)"
+        print(
+            f"| {label} | {rate:g} | {name} | {m:.1f} ({len(measured)}) | {spread:.0%} | "
+            f"{s:.1f} | {diff:+.1%}{flag} |"
+        )
+    print(
+        f"\n{misses} of {len(figures)} figures differ by more than {TARGET:.0%}, {unresolved} of "
+        "them by less than the measured runs' own spread"
+    )
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -225,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         help="what-if: host time per batch row added to every step (see HostTaxedPerfModel)",
     )
     parser.add_argument(
+        "--group",
+        action="store_true",
+        help="the files repeat the same sweeps: compare medians per label and rate (see above)",
+    )
+    parser.add_argument(
         "--isolated",
         type=Path,
         help="also compare the isolated latencies of this isolated.json with the profile",
@@ -246,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
     )
+    if args.group:
+        worst = grouped_table(args.measured, base, args.policy, args.host_ms_per_row)
+        print(f"largest difference {worst:.1%} (target {TARGET:.0%})")
+        if profile != args.profile:
+            Path(profile).unlink()
+        return 0 if worst <= TARGET else 1
     print("| measured run | rate | metric | measured | simulated | difference |")
     print("|---|---|---|---|---|---|")
     worst = 0.0

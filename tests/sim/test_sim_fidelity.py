@@ -70,6 +70,40 @@ def test_replaying_a_run_on_its_own_profile_matches(tmp_path, capsys, policy, ch
     assert (tmp_path / "sim" / f"sim-{label}.json").exists()
 
 
+def test_group_takes_medians_over_repeated_runs_and_their_spread(tmp_path, capsys):
+    profile = _cpu_profile(tmp_path)
+    config = SimConfig(
+        hardware=str(profile),
+        model="smollm2-135m",
+        policy="chunked",
+        chunked_prefill_size=256,
+        num_prompts=12,
+        request_rates=(1.0,),
+        slo=SLO(3.0, 150.0),
+        noise=0.0,
+        num_gpu_blocks_override=4000,
+    )
+    exact = dataclasses.replace(simulate(config), simulated=False, hardware=None)
+    paths = []
+    for factor in (1.0, 1.2, 2.0):  # two repeats 20% and 100% slower than the profile says
+        runs = []
+        for run in exact.runs:
+            summary = json.loads(json.dumps(run.summary))
+            summary["ttft_ms"]["mean"] *= factor
+            runs.append(dataclasses.replace(run, summary=summary))
+        path = tmp_path / f"repeat-{factor}" / "chunked-256.json"
+        path.parent.mkdir()
+        dataclasses.replace(exact, label="chunked-256", runs=runs).save(path)
+        paths.append(str(path))
+    argv = [*paths, "--group", "--profile", str(profile), "--noise", "0"]
+    assert _script().main(argv + ["--num-gpu-blocks-override", "4000"]) == 1
+    out = capsys.readouterr().out
+    ttft = next(line for line in out.splitlines() if "mean TTFT ms" in line)
+    # The median run is 1.2x the simulation; the runs spread 2.0 / 1.0 - 1 = 100%.
+    assert "(3) | 100% |" in ttft and "-16.7% * (within the spread)" in ttft
+    assert "1 of 3 figures differ by more than 15%, 1 of them by less than" in out
+
+
 def test_policy_from_label():
     policy_of = _script().policy_of
     assert policy_of("chunked-1024") == ("chunked", 1024)
