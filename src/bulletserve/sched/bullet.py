@@ -319,7 +319,7 @@ class BulletPolicy:
         counts = self.units.counts()
         budget = self.slo.tpot_s * TPOT_HEADROOM
         candidates = [d for d in counts if self.units.total - d >= self.units.least_remainder]
-        keeps_tpot = None
+        keeps_tpot = False  # decode_s falls as d grows: once true, true for every larger d
         for d in candidates:
             es = ExecutionState(
                 prefill_lens=prefill_lens,
