@@ -40,3 +40,12 @@ def decode_step_timer(policy: str, model: str, max_tokens: int) -> tuple[LLM, Ca
         return statistics.median(times) * 1e3
 
     return llm, run
+
+
+def print_medians(results: dict[str, list[float]], over: str, under: str) -> float:
+    """Each label's median and runs (ms), then the ratio of `over`'s median to `under`'s."""
+    for label, values in results.items():
+        print(f"{label}: median {statistics.median(values):.1f} ms  runs {values}")
+    ratio = statistics.median(results[over]) / statistics.median(results[under])
+    print(f"{over} / {under}: {ratio:.2f}", end="")
+    return ratio

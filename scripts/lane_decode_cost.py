@@ -10,11 +10,12 @@ prefill-first and under bullet, alternately, --rounds times; each run reports th
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from decode_timing import print_medians
 
 # Run in a fresh process per measurement, with this folder on its path.
 CHILD = """
@@ -49,10 +50,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for policy in results:
             results[policy].append(run(policy, args.model))
-    for policy, values in results.items():
-        print(f"{policy}: median {statistics.median(values):.1f} ms  runs {values}")
-    ratio = statistics.median(results["bullet"]) / statistics.median(results["prefill-first"])
-    print(f"bullet / prefill-first: {ratio:.2f} ({time.time() - started:.0f} s)")
+    print_medians(results, "bullet", "prefill-first")
+    print(f" ({time.time() - started:.0f} s)")
 
 
 if __name__ == "__main__":

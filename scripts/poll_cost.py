@@ -11,11 +11,10 @@ every `--period-ms`; medians of `--rounds` pairs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
 import time
 
-from decode_timing import decode_step_timer
+from decode_timing import decode_step_timer, print_medians
 
 
 def python_beside(stop: threading.Event, work_s: float, period_s: float) -> None:
@@ -45,10 +44,8 @@ def main() -> None:
         results["beside python"].append(run())
         stop.set()
         thread.join()
-    for label, values in results.items():
-        print(f"{label}: median {statistics.median(values):.1f} ms  runs {values}")
-    ratio = statistics.median(results["beside python"]) / statistics.median(results["alone"])
-    print(f"beside / alone: {ratio:.2f}")
+    print_medians(results, "beside python", "alone")
+    print()
 
 
 if __name__ == "__main__":
