@@ -44,6 +44,7 @@ class LaneStep:
     units: int
     noise: float
     started: float
+    split: Split  # the plan's split the step started under (the step log's, as the engine's)
     layers: tuple[int, int] = (0, 0)
     lengths: tuple[int, ...] = ()  # the requests' tokens when the step started
     work_left: float = 1.0
@@ -170,7 +171,8 @@ class LanedSimulator:
                 self._admit(plan.prefill.admitted)
             assert self.prefill_batch is not None
             layers = (plan.prefill.layer_start, plan.prefill.layer_end)
-            self._start(lane, LaneStep(self.prefill_batch, units, self.noise.factor(), now, layers))
+            step = LaneStep(self.prefill_batch, units, self.noise.factor(), now, plan.split, layers)
+            self._start(lane, step)
             return
         plan = self.policy.plan_decode(self._snapshot(now))
         self.split = plan.split
@@ -183,7 +185,7 @@ class LanedSimulator:
         requests = [by_id[s.request_id] for s in plan.decode]
         for request in requests:
             self.state.grow_blocks(request, request.num_tokens)
-        self._start(lane, LaneStep(requests, units, self.noise.factor(), now))
+        self._start(lane, LaneStep(requests, units, self.noise.factor(), now, plan.split))
 
     def _fits(self, lane: str, units: int) -> bool:
         """As the engine's lanes do: a step starts only on units the other lane's running step
@@ -247,7 +249,7 @@ class LanedSimulator:
         record = {
             "time": now,
             "lane": lane,
-            "split": [self.split.prefill, self.split.decode],
+            "split": [step.split.prefill, step.split.decode],
             "units": step.units,
             "batch_size": len(step.requests),
             "predicted_s": step.busy_s,
