@@ -135,6 +135,10 @@ def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
     for r in steps:
         assert r["measured_s"] == pytest.approx(r["predicted_s"], rel=1e-9)
         assert r["split"][0] + r["split"][1] <= 108 or r["split"] == [108, 108]
+        # The split logged is the one the step started under: the lane ran on its share of it
+        # (a lane whose share is 0 does not start).
+        share = r["split"][0] if r["lane"] == "prefill" else r["split"][1]
+        assert share > 0 and r["units"] == share
     spans = {
         lane: [(r["time"] - r["measured_s"], r["time"]) for r in steps if r["lane"] == lane]
         for lane in ("prefill", "decode")
