@@ -276,11 +276,6 @@ class BulletPolicy:
             decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
-        # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
-        # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
-        # until prefill had none, and no first token (the only TTFT evidence) would come.
-        risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
-        ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         # A burst: prefill takes the device while TPOT still holds. On a GPU the lanes gain from
         # running together, so only an at-risk prefill pauses decode, and only when decode can
         # wait out the step within one TPOT. On a CPU co-running is zero-sum (each lane runs at
@@ -289,6 +284,11 @@ class BulletPolicy:
         # the window's P90 TPOT holds, and the split below protects TPOT once it does not.
         if tpot_ok and self.perf.hw.kind == "cpu":
             return Split(total, 0)
+        # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
+        # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
+        # until prefill had none, and no first token (the only TTFT evidence) would come.
+        risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
+        ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         if tpot_ok and risky and self._decode_can_pause(lens, decode_ctx, layers):
             return Split(total, 0)
         if not ttft_ok and not tpot_ok:
