@@ -199,10 +199,12 @@ def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill(
             assert split.decode > keeps_tpot
 
 
-def test_cpu_prefill_takes_the_device_while_tpot_holds():
-    """Co-running is zero-sum on a CPU: a prefill gets every thread, at risk or not and however
-    long, while the window's P90 TPOT holds; once TPOT misses, decode gets units back. On a GPU
-    the same (not at risk) prefill shares the device."""
+def test_cpu_time_slices_where_co_running_is_zero_sum():
+    """On a CPU whose threads split compute and bandwidth evenly, co-running is zero-sum: a
+    prefill gets every thread, at risk or not and however long, while the window's P90 TPOT
+    holds; once TPOT misses, decode gets units back. Where one thread already has all of the
+    bandwidth, a decode step beside the prefill gains, so the two share the CPU; on a GPU the
+    same (not at risk) prefill shares the device."""
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
 
     def snap(total: int, prompt: int, p90_tpot_s: float) -> BulletSnapshot:
@@ -211,13 +213,42 @@ def test_cpu_prefill_takes_the_device_while_tpot_holds():
         stats = LatencyStats(0.5, p90_tpot_s)
         return BulletSnapshot(100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, half)
 
-    cpu, gpu = POLICIES["cpu"], POLICIES["h100"]
-    assert not cpu.at_risk(SeqView("w", 99.99, 64, 0, 0), 100.0)
-    assert cpu.plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
-    assert cpu.plan_prefill(snap(2, 2000, 0.05)).split == Split(2, 0)
-    assert cpu.plan_decode(snap(2, 2000, 0.05)).split == Split(2, 0)
-    assert cpu.plan_prefill(snap(2, 64, 0.2)).split.decode > 0
-    assert gpu.plan_prefill(snap(132, 64, 0.05)).split.decode > 0
+    zero_sum = make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2))
+    assert not zero_sum.at_risk(SeqView("w", 99.99, 64, 0, 0), 100.0)
+    assert zero_sum.plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
+    assert zero_sum.plan_prefill(snap(2, 2000, 0.05)).split == Split(2, 0)
+    assert zero_sum.plan_decode(snap(2, 2000, 0.05)).split == Split(2, 0)
+    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split.decode > 0
+    assert POLICIES["cpu"].plan_prefill(snap(2, 64, 0.05)).split == Split(1, 1)
+    assert POLICIES["h100"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
+
+
+def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_speed():
+    """Where co-running gains, a prompt that would reach the at-risk share of its TTFT budget
+    at the side-by-side speed (though not at the full-CPU speed that `at_risk` assumes) gets
+    every thread instead."""
+    from bulletserve.perf.state import ExecutionState
+
+    policy = POLICIES["cpu"]
+    decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
+    ctx = tuple(s.num_tokens for s in decoding) + (257,)
+    full = policy.perf.predict(ExecutionState(prefill_lens=(256,), prefill_units=2)).prefill_s
+    side = policy.perf.predict(
+        ExecutionState(prefill_lens=(256,), prefill_units=1, decode_ctx=ctx, decode_units=1)
+    ).prefill_s
+    assert side > full
+    waited = 0.7 * policy.slo.ttft_s(256) - (full + side) / 2
+
+    def snap(waited_s: float) -> BulletSnapshot:
+        waiting = (SeqView("w", 100.0 - waited_s, 256, 0, 0),)
+        stats = LatencyStats(0.5, 0.05)
+        return BulletSnapshot(
+            100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, Split(1, 1)
+        )
+
+    assert not policy.at_risk(snap(waited).waiting[0], 100.0)
+    assert policy.plan_prefill(snap(0.0)).split == Split(1, 1)
+    assert policy.plan_prefill(snap(waited)).split == Split(2, 0)
 
 
 def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
