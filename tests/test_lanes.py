@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bulletserve import LLM, SamplingParams
+from bulletserve.partition.cpu import use_one_thread
 from bulletserve.sched.bullet import Split, parse_partition
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
@@ -191,6 +192,14 @@ def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition
         return run_layers(*args, **kwargs)
 
     llm.engine.model.run_layers = recording
+    sample = llm.engine.sampler.sample
+    sampled_on: set[tuple[str, int]] = set()
+
+    def recording_sample(*args, **kwargs):
+        sampled_on.add((threading.current_thread().name, torch.get_num_threads()))
+        return sample(*args, **kwargs)
+
+    llm.engine.sampler.sample = recording_sample
     try:
         llm.generate(random_prompts(8, seed=4), GREEDY)
     finally:
@@ -201,3 +210,37 @@ def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition
     assert on_team == {2}
     if partition != "none":
         assert {threads for _, threads in elsewhere} <= {1}
+    assert sampled_on == {("bullet-prefill", 1), ("bullet-decode", 1)}
+
+
+def test_one_thread_holds_when_another_thread_sets_more_before_its_first_torch_call():
+    """PyTorch sets a thread's intra-op count lazily, from the process-wide default that the
+    last `torch.set_num_threads` anywhere left: a lane thread that set 1 and then waited while
+    the team thread set 2 came back with 2 (and led an OpenMP team of its own)."""
+    previous = torch.get_num_threads()
+    pins = {
+        "set_num_threads(1)": lambda: torch.set_num_threads(1),
+        "use_one_thread": use_one_thread,
+    }
+    counts = {}
+
+    def lane(name, pin, ready, other_done):
+        pin()
+        ready.set()
+        other_done.wait(10)
+        counts[name] = torch.get_num_threads()
+
+    try:
+        for name, pin in pins.items():
+            ready, other_done = threading.Event(), threading.Event()
+            thread = threading.Thread(target=lane, args=(name, pin, ready, other_done))
+            thread.start()
+            assert ready.wait(10)
+            team = threading.Thread(target=torch.set_num_threads, args=(2,))
+            team.start()
+            team.join(10)
+            other_done.set()
+            thread.join(10)
+    finally:
+        torch.set_num_threads(previous)
+    assert counts == {"set_num_threads(1)": 2, "use_one_thread": 1}

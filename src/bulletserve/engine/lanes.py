@@ -29,6 +29,7 @@ from bulletserve.engine.request import Request, RequestOutput, RequestState
 from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
+from bulletserve.partition.cpu import use_one_thread
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import DTYPE_NAMES, PLANS, measure_device
@@ -200,7 +201,7 @@ class LanedEngine(LLMEngine):
             try:
                 if self._team is not None:
                     # Single-threaded steps and sampling run here: one thread, no team.
-                    torch.set_num_threads(1)
+                    use_one_thread()
                 lane()
             except Exception as exc:
                 logger.exception("lane failed")

@@ -19,6 +19,23 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def use_one_thread() -> None:
+    """Run the calling OS thread's torch ops on one intra-op thread from now on.
+
+    `torch.set_num_threads` sets the calling thread's OpenMP thread count and a process-wide
+    default, and a thread's first torch call after it (PyTorch initializes each thread's count
+    lazily) re-applies the process-wide default, which another thread may have changed in
+    between: the team thread sets 2 at every job. A decode lane reset that way sampled on 2
+    threads and so led an OpenMP team of its own, and with three OpenMP threads on two cores
+    GNU OpenMP cuts every worker's spin short: the team's worker then slept and woke at every
+    parallel op (3,000 voluntary context switches a second in a bullet server at 6 req/s,
+    against none for the single-lane engine's). Calling for the count right away makes the
+    lazy initialization happen now, and setting 1 again after it holds whatever came between."""
+    torch.set_num_threads(1)
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 @dataclass
 class _Job:
     fn: Callable[[], object]
