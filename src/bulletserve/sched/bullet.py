@@ -285,7 +285,9 @@ class BulletPolicy:
         # window's P90 TPOT holds, and the split below protects TPOT once it does not.
         if tpot_ok and self.perf.hw.kind == "cpu":
             remaining = self.num_layers - (step.layer_start if step else 0)
-            if not self._co_running_pays(snap.now, prefill_batch, decode_ctx, layers, remaining):
+            if not self._co_running_pays(
+                snap.now, prefill_batch, lens, decode_ctx, layers, remaining
+            ):
                 return Split(total, 0)
         # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
         # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
@@ -341,6 +343,7 @@ class BulletPolicy:
         self,
         now: float,
         batch: tuple[SeqView, ...],
+        lens: tuple[int, ...],
         decode_ctx: tuple[int, ...],
         layers: int,
         remaining_layers: int,
@@ -353,13 +356,6 @@ class BulletPolicy:
         each, 136 ms one after the other) where an even split of cores and bandwidth would make
         it zero-sum."""
         total = self.units.total
-        lens = tuple(s.num_remaining for s in batch)
-        alone = self.perf.predict(
-            ExecutionState(prefill_lens=lens, prefill_units=total, prefill_layers=layers)
-        ).prefill_s
-        alone += self.perf.predict(
-            ExecutionState(decode_ctx=decode_ctx, decode_units=total)
-        ).decode_s
         d = self._fewest_decode_units(lens, decode_ctx, layers)
         if total - d <= 0:
             return False
@@ -377,13 +373,14 @@ class BulletPolicy:
             now - s.arrival_time + prefill_left_s < RISK_SHARE * self.slo.ttft_s(s.num_remaining)
             for s in batch
         )
-        return in_time and side_by_side.step_s < alone
+        return in_time and side_by_side.step_s < self._one_after_the_other_s(
+            lens, decode_ctx, layers
+        )
 
-    def _decode_can_pause(
+    def _one_after_the_other_s(
         self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
-    ) -> bool:
-        """Whether a full-device prefill step followed by a full-device decode step still fits
-        in one TPOT: then decode may wait out the prefill step."""
+    ) -> float:
+        """A full-device prefill step followed by a full-device decode step."""
         total = self.units.total
         prefill = self.perf.predict(
             ExecutionState(prefill_lens=prefill_lens, prefill_units=total, prefill_layers=layers)
@@ -391,7 +388,15 @@ class BulletPolicy:
         decode = self.perf.predict(
             ExecutionState(decode_ctx=decode_ctx, decode_units=total)
         ).decode_s
-        return prefill + decode <= self.slo.tpot_s * TPOT_HEADROOM
+        return prefill + decode
+
+    def _decode_can_pause(
+        self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
+    ) -> bool:
+        """Whether a full-device prefill step followed by a full-device decode step still fits
+        in one TPOT: then decode may wait out the prefill step."""
+        budget = self.slo.tpot_s * TPOT_HEADROOM
+        return self._one_after_the_other_s(prefill_lens, decode_ctx, layers) <= budget
 
     def _round_down(self, units: int) -> int:
         valid = [c for c in self.units.counts() if c <= units]
