@@ -105,3 +105,15 @@ def test_gpu_micro_benchmarks_are_sized_past_launch_overhead_and_l2():
     assert micro_sizes(quick, "cpu") == (quick.gemm_n, quick.bandwidth_bytes)
     gemm_n, nbytes = micro_sizes(quick, "gpu")
     assert gemm_n >= 8192 and nbytes >= 1 << 30
+
+
+def test_every_plan_times_co_running_prefills_as_short_as_its_shortest_prompt():
+    """The co-running alpha surface clamps below its first point; on the CPU a 64-token prefill
+    beside a decode ran at about twice the 256-token alpha, so a plan that started at 256
+    predicted short prompts' co-running prefills faster than the same prompt alone."""
+    from bulletserve.perf.profiler import PLANS, plan_states
+
+    for name, plan in PLANS.items():
+        assert min(plan.corun_prefill_lens) <= min(plan.prefill_lens), name
+        co_running = [es for es in plan_states(plan, [1, 2], 2) if es.has_decode and es.has_prefill]
+        assert min(es.prefill_tokens for es in co_running) == min(plan.prefill_lens), name

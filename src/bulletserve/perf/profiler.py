@@ -27,7 +27,9 @@ class SweepPlan:
     prefill_lens: tuple[int, ...]
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
-    corun_prefill_lens: tuple[int, ...]  # each against the middle decode shape
+    # Each against the middle decode shape; down to the shortest prefill_lens, since a short
+    # prompt's alpha is not a long one's (the alpha surface clamps below its first point).
+    corun_prefill_lens: tuple[int, ...]
     corun_decode_batches: tuple[int, ...]  # each against the middle prefill length
     repeats: int
     max_unit_counts: int  # at most this many unit counts are swept (evenly spread)
@@ -46,7 +48,7 @@ PLANS = {
         prefill_lens=(32, 128, 512, 1024, 2048),
         decode_batches=(1, 4, 16, 32, 64),
         decode_contexts=(128, 512, 1024),
-        corun_prefill_lens=(128, 512, 2048),
+        corun_prefill_lens=(32, 128, 512, 2048),
         corun_decode_batches=(1, 4, 16, 64),
         repeats=3,
         max_unit_counts=6,
@@ -58,7 +60,7 @@ PLANS = {
         prefill_lens=(64, 256, 1024),
         decode_batches=(1, 8, 32),
         decode_contexts=(256,),
-        corun_prefill_lens=(256, 1024),
+        corun_prefill_lens=(64, 256, 1024),
         corun_decode_batches=(1, 8, 32),
         repeats=2,
         max_unit_counts=3,
