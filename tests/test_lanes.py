@@ -192,14 +192,19 @@ def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition
         return run_layers(*args, **kwargs)
 
     llm.engine.model.run_layers = recording
-    sample = llm.engine.sampler.sample
-    sampled_on: set[tuple[str, int]] = set()
+    sampled_on: dict[str, set[tuple[str, int]]] = {"prefill": set(), "decode": set()}
 
-    def recording_sample(*args, **kwargs):
-        sampled_on.add((threading.current_thread().name, torch.get_num_threads()))
-        return sample(*args, **kwargs)
+    def recording_sampler(lane, sampler):
+        sample = sampler.sample
 
-    llm.engine.sampler.sample = recording_sample
+        def recording_sample(*args, **kwargs):
+            sampled_on[lane].add((threading.current_thread().name, torch.get_num_threads()))
+            return sample(*args, **kwargs)
+
+        sampler.sample = recording_sample
+
+    recording_sampler("prefill", llm.engine.sampler)
+    recording_sampler("decode", llm.engine._decode_sampler)
     try:
         llm.generate(random_prompts(8, seed=4), GREEDY)
     finally:
@@ -210,7 +215,11 @@ def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition
     assert on_team == {2}
     if partition != "none":
         assert {threads for _, threads in elsewhere} <= {1}
-    assert sampled_on == {("bullet-prefill", 1), ("bullet-decode", 1)}
+    # First tokens are sampled on the prefill lane's thread; a decode step samples where it
+    # ran, on every thread the step had (on one thread it sampled 160 rows in 30 ms).
+    assert sampled_on["prefill"] == {("bullet-prefill", 1)}
+    assert ("bullet-team", 2) in sampled_on["decode"]
+    assert sampled_on["decode"] <= {("bullet-team", 2), ("bullet-decode", 1)}
 
 
 def test_one_thread_holds_when_another_thread_sets_more_before_its_first_torch_call():

@@ -25,8 +25,9 @@ import torch
 
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine, _view
-from bulletserve.engine.request import Request, RequestOutput, RequestState
+from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.runner import SeqWork, StepBatch
+from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
@@ -81,6 +82,10 @@ class LanedEngine(LLMEngine):
         self._latency = LatencyWindow(self.policy.slo)
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
         self.lane_error: BaseException | None = None
+        # The decode lane samples inside its step, on the step's units and outside the state
+        # lock, where the prefill lane may sample at the same time: a generator of its own
+        # (torch.Generator is not safe to share between threads).
+        self._decode_sampler = Sampler(config.seed + 1)
 
     def _make_policy(self) -> BulletPolicy:
         self.units: Units = lane_units(self.device, self.config.num_threads, self._team)
@@ -421,11 +426,21 @@ class LanedEngine(LLMEngine):
         self.units.synchronize()  # the step's device time, not its launch time
         return hidden, logits, time.perf_counter() - start
 
-    def _decode_step(self, works: list[SeqWork]) -> tuple[torch.Tensor, float]:
+    def _decode_step(
+        self, works: list[SeqWork], requests: list[Request]
+    ) -> tuple[list[tuple[int, TokenLogprob | None]], float]:
+        """A token (and logprob) per request, and the seconds the model took. Sampling runs here,
+        on the step's units: on the decode lane's own thread it ran on one CPU thread, and at
+        160 rows it added 30 ms to a 100 ms step, where the single-lane engine samples on
+        every thread. The requests are busy, so no other thread changes what it reads."""
         start = time.perf_counter()
         logits, _ = self.runner.execute(works)
         self.units.synchronize()
-        return logits, time.perf_counter() - start
+        runner_s = time.perf_counter() - start
+        tokens, logprobs = self._decode_sampler.sample(
+            logits, requests, [r.stop_ids for r in requests]
+        )
+        return list(zip(tokens, logprobs, strict=True)), runner_s
 
     def _admit(self, plan: BulletPlan) -> None:
         admitted = set(plan.prefill.admitted)
@@ -502,8 +517,8 @@ class LanedEngine(LLMEngine):
                 if self._prefill is not None:
                     prefill_lens = tuple(r.num_tokens for r in self._prefill.requests)
             start = time.perf_counter()
-            logits, runner_s = self._on_units(
-                "decode", plan.split, partial(self._decode_step, works)
+            sampled, runner_s = self._on_units(
+                "decode", plan.split, partial(self._decode_step, works, requests)
             )
             measured = time.perf_counter() - start
             with self._state:
@@ -520,20 +535,15 @@ class LanedEngine(LLMEngine):
                     tokens=len(requests),
                     runner_s=runner_s,
                 )
-                live = []
-                for row, request in enumerate(requests):
+                alive = []
+                now = time.monotonic()
+                for request, (token, logprob) in zip(requests, sampled, strict=True):
                     request.num_computed_tokens = request.num_tokens
-                    if request.is_finished:
+                    if request.is_finished:  # aborted while its step ran: its token is dropped
                         self._release_blocks(request)
                     else:
-                        live.append(row)
-                if live:
-                    alive = [requests[i] for i in live]
-                    tokens, logprobs = self.sampler.sample(
-                        logits[live], alive, [r.stop_ids for r in alive]
-                    )
-                    now = time.monotonic()
-                    for request, token, logprob in zip(alive, tokens, logprobs, strict=True):
                         self._append_token(request, token, logprob, now)
+                        alive.append(request)
+                if alive:
                     self._publish(alive)
                 self._state.notify_all()
