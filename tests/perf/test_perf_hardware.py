@@ -32,6 +32,7 @@ def _profile() -> HardwareProfile:
             alpha={"prefill": {1: ((16.0, 2.0), (256.0, 1.5)), 2: ((16.0, 2.5),)}},
             decode_bandwidth_corun=((1.0, 2e10),),
             unit_sweep=(UnitPoint(1, 1e11, 2e10), UnitPoint(2, 2e11, 3e10)),
+            sampling_s_per_logit=((1.0, 3e-9), (2.0, 1.5e-9)),
         ),
         sources=("measured here",),
     )
@@ -68,6 +69,7 @@ def test_hopper_splits_in_eights():
         (lambda d: d["calibration"]["alpha"]["prefill"].update({"1": [[16, -1]]}), "prefill.1"),
         (lambda d: d["calibration"]["alpha"].update(warmup={"1": [[1, 1]]}), "alpha.warmup"),
         (lambda d: d["calibration"]["unit_sweep"][0].pop("bandwidth"), "unit_sweep[0].bandwidth"),
+        (lambda d: d["calibration"].update(sampling_s_per_logit=[[1, 0]]), "sampling_s_per_logit"),
     ],
 )
 def test_malformed_profile_names_the_field(tmp_path, edit, field):

@@ -94,6 +94,27 @@ def test_co_running_decode_sees_contended_bandwidth_and_corun_alpha():
     assert model.predict(both).decode_s > 1.5 * model.predict(alone).decode_s
 
 
+def test_a_step_that_reaches_the_lm_head_pays_the_sampler_for_each_row():
+    cal = Calibration(sampling_s_per_logit=((8.0, 4e-10), (132.0, 1e-10)))
+    model = PerfModel(LLAMA, dataclasses.replace(UNCALIBRATED, calibration=cal))
+    bare = PerfModel(LLAMA, UNCALIBRATED)  # the datasheet presets measure no sampler
+    per_row = LLAMA.vocab_size * 1e-10
+    decode = ExecutionState(decode_ctx=(500,) * 16, decode_units=132)
+    assert model.predict(decode).decode_s - bare.predict(decode).decode_s == pytest.approx(
+        16 * per_row
+    )
+    narrow = dataclasses.replace(decode, decode_units=8)
+    assert model.sampling_s(narrow, "decode") == pytest.approx(16 * LLAMA.vocab_size * 4e-10)
+    # A prefill layer group samples only when it runs the last layer: a row per prompt.
+    first = ExecutionState(
+        prefill_lens=(300, 200), prefill_units=132, prefill_layers=8, prefill_first_layer=0
+    )
+    last = dataclasses.replace(first, prefill_first_layer=LLAMA.num_layers - 8)
+    assert model.sampling_s(first, "prefill") == 0.0
+    assert model.sampling_s(last, "prefill") == pytest.approx(2 * per_row)
+    assert model.predict(first).prefill_s == bare.predict(first).prefill_s
+
+
 def test_online_correction_tracks_drift():
     model = PerfModel(LLAMA, H100, correction_weight=0.2)
     es = ExecutionState(

@@ -66,11 +66,17 @@ def test_profile_tiny_model(tmp_path):
     path = tmp_path / "p.json"
     hw.save(path)
     assert HardwareProfile.load(path) == hw
-    # The fitted model reproduces an alone sample it was fitted to.
+    # The sampler is timed on every unit count swept; the step samples time the model alone.
+    counts = [p.units for p in hw.calibration.unit_sweep]
+    assert [u for u, _ in hw.calibration.sampling_s_per_logit] == counts
+    assert all(s > 0 for _, s in hw.calibration.sampling_s_per_logit)
+    # The fitted model reproduces an alone sample it was fitted to, plus the sampler's time.
     model_ = PerfModel(model.config, hw, "float32")
     sample = next(s for s in samples if s.phase == "prefill" and not s.corun)
     es = ExecutionState(prefill_lens=sample.es.prefill_lens, prefill_units=sample.units)
-    assert model_.predict(es).prefill_s == pytest.approx(sample.measured_s, rel=1e-6)
+    sampler_s = model_.sampling_s(es, "prefill")
+    assert sampler_s > 0
+    assert model_.predict(es).prefill_s == pytest.approx(sample.measured_s + sampler_s, rel=1e-6)
 
 
 def test_green_contexts_fail_clearly_without_cuda():

@@ -9,6 +9,8 @@ per measured context length, keyed `decode@<context>` (and `decode_corun@<contex
 step's cost depends on its context as well as its batch. A co-running phase's alpha is measured
 at one load of the other lane; `corun_load` scales it by the other lane's load:
 `{"prefill": {"<units>": [[other lane's rows, factor], ...]}, "decode": {...}}`.
+`sampling_s_per_logit` is the engine's sampler cost, `[[units, seconds per row per vocabulary
+entry], ...]`: a step that ends in logits pays it for each of its rows.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ class UnitPoint:
 class Calibration:
     """alpha[phase][units] = sorted (tokens, alpha) points; corun_load[phase][units] = sorted
     (other lane's rows, factor on the co-running alpha) points; contention-adjusted decode
-    bandwidth as (decode units, bytes/s) points; the unit sweep the profile was built from."""
+    bandwidth as (decode units, bytes/s) points; the unit sweep the profile was built from;
+    the sampler's seconds per logit (row x vocabulary entry) as (units, seconds) points."""
 
     alpha: dict[str, dict[int, Points]] = field(default_factory=dict)
     corun_load: dict[str, dict[int, Points]] = field(default_factory=dict)
     decode_bandwidth_corun: Points = ()
     unit_sweep: tuple[UnitPoint, ...] = ()
+    sampling_s_per_logit: Points = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class HardwareProfile:
             },
             "decode_bandwidth_corun": [list(p) for p in self.calibration.decode_bandwidth_corun],
             "unit_sweep": [asdict(p) for p in self.calibration.unit_sweep],
+            "sampling_s_per_logit": [list(p) for p in self.calibration.sampling_s_per_logit],
         }
         out["sources"] = list(self.sources)
         return out
@@ -253,8 +258,14 @@ def _calibration(raw: dict[str, Any]) -> Calibration:
         sweep.append(
             UnitPoint(f.positive_int("units"), f.positive("gemm_flops"), f.positive("bandwidth"))
         )
+    sampling_raw = raw.get("sampling_s_per_logit", [])
+    sampling = _points(sampling_raw, "calibration.sampling_s_per_logit") if sampling_raw else ()
     return Calibration(
-        alpha=alpha, corun_load=corun_load, decode_bandwidth_corun=bw, unit_sweep=tuple(sweep)
+        alpha=alpha,
+        corun_load=corun_load,
+        decode_bandwidth_corun=bw,
+        unit_sweep=tuple(sweep),
+        sampling_s_per_logit=sampling,
     )
 
 

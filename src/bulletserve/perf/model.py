@@ -8,7 +8,9 @@ For a phase on N_p of the device's N units,
 where a GPU GEMM's C_p is further scaled by its wave efficiency (tiles over units). The
 prediction is `overhead + alpha(N_p, rows) * T' * correction`: alpha comes from the profile's
 measured points for the phase (co-running points when the other lane is busy), and the online
-correction is an EWMA of measured / predicted that `observe` updates from real steps. A decode
+correction is an EWMA of measured / predicted that `observe` updates from real steps. A step
+that reaches the LM head also pays the engine's sampler for each of its rows, at the profile's
+measured cost per logit (0 where the profile has none, as the datasheet presets). A decode
 step co-running with a prefill sees the profile's contention-adjusted bandwidth, and a co-running
 alpha is scaled by the profile's load factor for the other lane's rows.
 """
@@ -116,6 +118,13 @@ class PerfModel:
             if cal.decode_bandwidth_corun
             else None
         )
+        self._sampling_per_row = (
+            Curve.from_points(
+                tuple((u, s * cfg.vocab_size) for u, s in cal.sampling_s_per_logit), log_x=False
+            )
+            if cal.sampling_s_per_logit
+            else None
+        )
 
     def _check_units(self, units: int, phase: str) -> float:
         if units <= 0:
@@ -218,7 +227,21 @@ class PerfModel:
         t = self._roofline(es, phase, counts, corun)
         if t == 0.0:
             return 0.0
-        return self.hw.step_overhead_s + self._alpha_at(es, phase, counts[TOKENS], corun) * t
+        alpha = self._alpha_at(es, phase, counts[TOKENS], corun)
+        return self.hw.step_overhead_s + alpha * t + self.sampling_s(es, phase)
+
+    def sampling_s(self, es: ExecutionState, phase: str) -> float:
+        """The sampler's time for `phase` of `es`: a row per sequence whose step reaches the
+        LM head, on the phase's units (a fused chunked step counts its prompt chunks as rows,
+        the one that does not end its prompt included)."""
+        if self._sampling_per_row is None:
+            return 0.0
+        if phase == "decode":
+            rows, units = len(es.decode_ctx), es.decode_units
+        else:
+            last = phase_layers(self.cfg, es, phase)[2]
+            rows, units = (len(es.prefill_lens) if last else 0), es.prefill_units
+        return rows * self._sampling_per_row(units) if rows else 0.0
 
     def predict(self, es: ExecutionState) -> StepPrediction:
         """Prefill and decode step times of `es` in seconds (0 for an idle lane)."""

@@ -352,9 +352,9 @@ class BulletPolicy:
         would give decode, is predicted to end the pair sooner than the two one after the other
         on every unit, with every prompt of the batch still outside the at-risk share of its
         TTFT budget at the slower side-by-side speed. The 2-vCPU machine's profile says co-running
-        gains there (a 100-token prefill and a 16-row decode: 90 ms side by side on a thread
-        each, 136 ms one after the other) where an even split of cores and bandwidth would make
-        it zero-sum."""
+        gains there (docs/data/cpu-profile-2026-11-30d.json: a 100-token prefill and a 16-row
+        decode, 66 ms side by side on a thread each, 83 ms one after the other) where an even
+        split of cores and bandwidth would make it zero-sum."""
         total = self.units.total
         d = self._fewest_decode_units(lens, decode_ctx, layers)
         if total - d <= 0:

@@ -6,6 +6,9 @@ import threading
 
 import torch
 
+from bulletserve.engine.request import Request, RequestTimings
+from bulletserve.engine.sampler import Sampler
+from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.partition import CpuThreads, GreenContextSMs
 from bulletserve.perf.measure.timing import time_call
 
@@ -64,3 +67,23 @@ def bandwidth_corun(
     finally:
         stop.set()
         thread.join()
+
+
+def sampling_cost(
+    units: CpuThreads | GreenContextSMs, vocab: int, rows: int, count: int, repeats: int
+) -> float:
+    """Seconds per logit (row x vocabulary entry) of the engine's sampler on `count` units, at
+    temperature 1 (what a request that sets none gets), over `rows` rows of float32 logits."""
+    logits = torch.randn(rows, vocab, device=units.device)
+    requests = [
+        Request(f"sample-{i}", None, [0], SamplingParams(temperature=1.0), RequestTimings(0.0))
+        for i in range(rows)
+    ]
+    sampler = Sampler(0)
+    stop_ids = [frozenset()] * rows
+    _settle(units.device)
+    with units.lane(count):
+        seconds = time_call(
+            lambda: sampler.sample(logits, requests, stop_ids), units.synchronize, repeats
+        )
+    return seconds / (rows * vocab)
