@@ -10,7 +10,9 @@ partition ablations, through the real server with `bullet bench`.
    prompt of a few tokens then gets less than twice its isolated TTFT.) TPOT: SLO_FACTOR times
    the median.
 2. For each configuration: start `bullet serve` (default model, bf16, --step-log), sweep the
-   request rates with `bullet bench`, stop the server.
+   request rates with `bullet bench`, stop the server. `--interleave`: start every
+   configuration's server first, then run each rate against every configuration in turn (the
+   machine's slow spells then fall on all configurations of a rate alike).
 3. Plots and a comparison table.
 
     python scripts/bench_lanes_cpu.py --out docs/data/bench-cpu --rates 0.5,1,1.5,2,3
@@ -95,37 +97,107 @@ def _wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("server did not become healthy")
 
 
-def run_config(label: str, flags: list[str], args, slo: dict) -> Path:
+def start_server(label: str, flags: list[str], args, slo: dict) -> tuple[subprocess.Popen, int]:
+    """`bullet serve` for one configuration, healthy, with its step log; (process, port)."""
     port = _free_port()
-    out = args.out / f"{label}.json"
     step_log = args.out / f"{label}.steps.jsonl"
     step_log.unlink(missing_ok=True)
-    cli = [sys.executable, "-m", "bulletserve.cli"]
-    serve = cli + ["serve", "--port", str(port), "--max-model-len", str(args.max_model_len)]
-    slo_flags = ["--slo-ttft-per-token-ms", f"{slo['ttft']:.3f}"]
-    slo_flags += ["--slo-ttft-base-ms", f"{slo['ttft_base']:.1f}"]
-    slo_flags += ["--slo-tpot-ms", f"{slo['tpot']:.1f}"]
-    serve += slo_flags
+    serve = [sys.executable, "-m", "bulletserve.cli", "serve", "--port", str(port)]
+    serve += ["--max-model-len", str(args.max_model_len), *slo_flags(slo)]
     serve += ["--step-log", str(step_log), "--log-level", "warning", *flags]
     if args.hardware_profile:
         serve += ["--hardware-profile", str(args.hardware_profile)]
     with open(args.out / f"{label}.serve.log", "w") as log:
         server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(port, server, 300)
-            bench = cli + ["bench", "--base-url", f"http://127.0.0.1:{port}"]
-            bench += ["--dataset", "sharegpt-like", "--num-prompts", str(args.num_prompts)]
-            bench += ["--request-rates", args.rates, "--ignore-eos", "--seed", str(args.seed)]
-            bench += [*slo_flags, "--label", label]
-            bench += ["--output", str(out), "--no-progress"]
-            result = subprocess.run(bench, capture_output=True, text=True, timeout=args.timeout)
-            (args.out / f"{label}.bench.txt").write_text(result.stdout + result.stderr)
-            if result.returncode != 0:
-                raise RuntimeError(f"{label}: bench failed:\n{result.stderr[-2000:]}")
-        finally:
-            server.terminate()
-            server.wait(timeout=120)
+    try:
+        _wait_healthy(port, server, 300)
+        _warm_up(port)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server, port
+
+
+def _warm_up(port: int) -> None:
+    """One short completion, so that no configuration's first measured requests pay for the
+    server's first step (allocator growth, first-touch pages)."""
+    body = json.dumps({"prompt": "Hello there", "max_tokens": 8}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        response.read()
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=120)
+
+
+def slo_flags(slo: dict) -> list[str]:
+    return [
+        *("--slo-ttft-per-token-ms", f"{slo['ttft']:.3f}"),
+        *("--slo-ttft-base-ms", f"{slo['ttft_base']:.1f}"),
+        *("--slo-tpot-ms", f"{slo['tpot']:.1f}"),
+    ]
+
+
+def run_bench(label: str, port: int, rates: str, out: Path, args, slo: dict) -> Path:
+    """`bullet bench` of the sharegpt-like workload at `rates` against the server on `port`."""
+    bench = [sys.executable, "-m", "bulletserve.cli", "bench"]
+    bench += ["--base-url", f"http://127.0.0.1:{port}"]
+    bench += ["--dataset", "sharegpt-like", "--num-prompts", str(args.num_prompts)]
+    bench += ["--request-rates", rates, "--ignore-eos", "--seed", str(args.seed)]
+    bench += [*slo_flags(slo), "--label", label, "--output", str(out), "--no-progress"]
+    result = subprocess.run(bench, capture_output=True, text=True, timeout=args.timeout)
+    out.with_suffix(".bench.txt").write_text(result.stdout + result.stderr)
+    if result.returncode != 0:
+        raise RuntimeError(f"{label}: bench failed:\n{result.stderr[-2000:]}")
     return out
+
+
+def run_config(label: str, flags: list[str], args, slo: dict) -> Path:
+    """One server, every rate."""
+    server, port = start_server(label, flags, args, slo)
+    try:
+        return run_bench(label, port, args.rates, args.out / f"{label}.json", args, slo)
+    finally:
+        stop_server(server)
+
+
+def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
+    """Every configuration's server up at once (idle ones take no CPU), then each rate runs
+    against every configuration back to back, the order rotating from rate to rate: a slow
+    spell of the machine then falls on all configurations of a rate alike, not on whichever
+    configuration a one-server-at-a-time sweep happened to be running."""
+    from bulletserve.bench.records import BenchResult, load_result
+
+    servers = {}
+    try:
+        for label in labels:
+            servers[label] = start_server(label, CONFIGS[label], args, slo)
+        parts: dict[str, list[Path]] = {label: [] for label in labels}
+        for i, rate in enumerate(args.rates.split(",")):
+            for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                out = args.out / f"{label}.rate-{rate}.json"
+                parts[label].append(run_bench(label, servers[label][1], rate, out, args, slo))
+                print(f"{label} at {rate} req/s done", flush=True)
+    finally:
+        for server, _ in servers.values():
+            stop_server(server)
+    files = []
+    for label, paths in parts.items():
+        results = [load_result(path) for path in paths]
+        merged = BenchResult(
+            label=label,
+            config=results[0].config,
+            runs=[run for result in results for run in result.runs],
+        )
+        merged.save(args.out / f"{label}.json")
+        files.append(args.out / f"{label}.json")
+    return files
 
 
 def main() -> None:
@@ -141,6 +213,11 @@ def main() -> None:
     parser.add_argument("--hardware-profile", type=Path, default=None)
     parser.add_argument("--timeout", type=int, default=1200)
     parser.add_argument("--slo-mode", choices=("affine", "per-token"), default="affine")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every server up at once; each rate runs against every configuration in turn",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     iso_path = args.out / "isolated.json"
@@ -156,11 +233,15 @@ def main() -> None:
         f"{slo['ttft_base']:.1f} ms + {slo['ttft']:.3f} ms/token, TPOT {slo['tpot']:.1f} ms",
         flush=True,
     )
-    files = []
-    for label in args.configs.split(","):
-        started = time.time()
-        files.append(run_config(label, CONFIGS[label], args, slo))
-        print(f"{label}: {time.time() - started:.0f} s", flush=True)
+    labels = args.configs.split(",")
+    if args.interleave:
+        files = run_interleaved(labels, args, slo)
+    else:
+        files = []
+        for label in labels:
+            started = time.time()
+            files.append(run_config(label, CONFIGS[label], args, slo))
+            print(f"{label}: {time.time() - started:.0f} s", flush=True)
     cli = [sys.executable, "-m", "bulletserve.cli", "bench"]
     print(
         subprocess.run(cli + ["compare", *map(str, files)], capture_output=True, text=True).stdout
