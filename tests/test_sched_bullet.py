@@ -200,17 +200,19 @@ def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill(
 
 
 def test_cpu_time_slices_where_co_running_is_zero_sum():
-    """On a CPU whose threads split compute and bandwidth evenly, co-running is zero-sum: a
-    prefill gets every thread, at risk or not and however long, while the window's P90 TPOT
-    holds; once TPOT misses, decode gets units back. Where one thread already has all of the
-    bandwidth, a decode step beside the prefill gains, so the two share the CPU; on a GPU the
-    same (not at risk) prefill shares the device."""
+    """On a CPU whose threads split compute and bandwidth evenly, co-running is zero-sum: the
+    lanes take turns on every thread. A prefill goes first, at risk or not and however long,
+    while the window's P90 TPOT holds; once TPOT misses, decode goes first while TTFT holds.
+    Where one thread already has all of the bandwidth, a decode step beside the prefill gains,
+    so the two share the CPU; on a GPU the same (not at risk) prefill shares the device."""
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
 
-    def snap(total: int, prompt: int, p90_tpot_s: float) -> BulletSnapshot:
-        waiting = (SeqView("w", 99.99, prompt, 0, 0),)  # just arrived: far from its deadline
+    def snap(
+        total: int, prompt: int, p90_tpot_s: float, waited_s: float = 0.01, p90_ttft: float = 0.5
+    ) -> BulletSnapshot:
+        waiting = (SeqView("w", 100.0 - waited_s, prompt, 0, 0),)
         half = Split(total // 2, total // 2)
-        stats = LatencyStats(0.5, p90_tpot_s)
+        stats = LatencyStats(p90_ttft, p90_tpot_s)
         return BulletSnapshot(100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, half)
 
     zero_sum = make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2))
@@ -218,7 +220,13 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
     assert zero_sum.plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
     assert zero_sum.plan_prefill(snap(2, 2000, 0.05)).split == Split(2, 0)
     assert zero_sum.plan_decode(snap(2, 2000, 0.05)).split == Split(2, 0)
-    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split.decode > 0
+    # TPOT over its SLO while TTFT holds: decode takes its turn, until the prompt is at risk
+    # or recent first tokens were late; never the even split, the worst of the three here.
+    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split == Split(0, 2)
+    assert zero_sum.plan_decode(snap(2, 64, 0.2)).split == Split(0, 2)
+    assert zero_sum.at_risk(SeqView("w", 99.0, 64, 0, 0), 100.0)
+    assert zero_sum.plan_prefill(snap(2, 64, 0.2, waited_s=1.0)).split == Split(2, 0)
+    assert zero_sum.plan_decode(snap(2, 64, 0.2, p90_ttft=1.5)).split == Split(2, 0)
     assert POLICIES["cpu"].plan_prefill(snap(2, 64, 0.05)).split == Split(1, 1)
     assert POLICIES["h100"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
 
@@ -270,7 +278,11 @@ def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
         late = snap(total, 1.0)
         assert policy.at_risk(late.waiting[0], late.now)
         for plan in (policy.plan_prefill(late), policy.plan_decode(late)):
-            assert 0 < plan.split.prefill < total
+            if name == "cpu":
+                # Beside decode on one thread the prompt would miss its margin: it takes both.
+                assert plan.split == Split(total, 0)
+            else:
+                assert 0 < plan.split.prefill < total
 
 
 def test_the_window_counts_ttft_at_the_first_token():

@@ -276,24 +276,25 @@ class BulletPolicy:
             decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
-        # A burst: prefill takes the device while TPOT still holds. On a GPU the lanes gain from
-        # running together, so only an at-risk prefill pauses decode, and only when decode can
-        # wait out the step within one TPOT. On a CPU co-running can be zero-sum (one thread of
-        # two running a prefill at half speed): where the profile predicts that the two steps
-        # one after the other on every thread take no longer than side by side, a full-speed
-        # prefill costs decode nothing it would not lose anyway, so it goes first while the
-        # window's P90 TPOT holds, and the split below protects TPOT once it does not.
-        if tpot_ok and self.perf.hw.kind == "cpu":
-            remaining = self.num_layers - (step.layer_start if step else 0)
-            if not self._co_running_pays(
-                snap.now, prefill_batch, lens, decode_ctx, layers, remaining
-            ):
-                return Split(total, 0)
         # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
         # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
         # until prefill had none, and no first token (the only TTFT evidence) would come.
         risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
         ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
+        # On a GPU the lanes gain from running together, so only an at-risk prefill pauses
+        # decode, and only when decode can wait out the step within one TPOT. On a CPU
+        # co-running can be zero-sum or worse (one thread of two running a prefill at half
+        # speed, a 50-row decode on the other at 180 ms against 76 ms on both: bench-cpu-22):
+        # where the profile predicts that the two steps one after the other on every thread
+        # take no longer than side by side, the lanes take turns on the whole CPU and the SLOs
+        # say whose turn it is. Prefill goes first (a burst, or its TTFT is missing) unless
+        # TPOT is over its SLO while TTFT holds: then decode goes, until a prompt is at risk.
+        if self.perf.hw.kind == "cpu":
+            remaining = self.num_layers - (step.layer_start if step else 0)
+            if not self._co_running_pays(
+                snap.now, prefill_batch, lens, decode_ctx, layers, remaining
+            ):
+                return Split(total, 0) if tpot_ok or not ttft_ok else Split(0, total)
         if tpot_ok and risky and self._decode_can_pause(lens, decode_ctx, layers):
             return Split(total, 0)
         if not ttft_ok and not tpot_ok:
