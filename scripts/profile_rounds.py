@@ -1,7 +1,7 @@
-"""How much `bullet profile`'s fastest-round rule flatters a step: a few decode and prefill
-shapes of the default model, on every thread, timed round after round (the shapes interleaved,
-as the profile does), each shape's median round against the fastest of three consecutive
-rounds (the default sweep's rounds).
+"""How much a fastest-round rule (`bullet profile`'s until it kept the median round) flatters a
+step: a few decode and prefill shapes of the default model, on every thread, timed round after
+round (the shapes interleaved, as the profile does), each shape's median round against the
+fastest of three consecutive rounds (the default sweep's rounds).
 
     .venv/bin/python scripts/profile_rounds.py [--rounds 12]
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
@@ -147,11 +146,14 @@ class StepBench:
         """Time every state: one lane alone on its units, or both co-running.
 
         `repeats` rounds go round all the states (after a warm-up round for the alone ones;
-        `corun` warms itself up) and each keeps its fastest round: a slow spell of a shared
+        `corun` warms itself up) and each keeps its median round: a slow spell of a shared
         machine, which lasts seconds, then costs one round of several states, not every round
-        of one state or every state of one kind. A co-running round is a `corun` of two steps.
-        Returns one sample per alone state and two (prefill, decode) per co-running one."""
-        best = [[math.inf, math.inf] for _ in states]
+        of one state or every state of one kind. The median, not the fastest round: served
+        steps run at the machine's typical speed, and the fastest of three flattered a step by
+        4-19% (`scripts/profile_rounds.py`), which the simulator then carried into every
+        figure. A co-running round is a `corun` of two steps. Returns one sample per alone
+        state and two (prefill, decode) per co-running one."""
+        rounds: list[list[list[float]]] = [[[], []] for _ in states]
         for round_ in range(repeats + 1):
             for i, es in enumerate(states):
                 both = es.has_prefill and es.has_decode
@@ -166,18 +168,18 @@ class StepBench:
                     times = (self._once(decode, es.decode_units),)
                 if round_:
                     for lane, t in enumerate(times):
-                        best[i][lane] = min(best[i][lane], t)
+                        rounds[i][lane].append(t)
         samples = []
-        for es, (first, second) in zip(states, best, strict=True):
+        for es, lanes in zip(states, rounds, strict=True):
+            medians = [statistics.median(t) for t in lanes if t]
             if es.has_prefill and es.has_decode:
                 samples += [
-                    StepSample(es, "prefill", True, first),
-                    StepSample(es, "decode", True, second),
+                    StepSample(es, "prefill", True, medians[0]),
+                    StepSample(es, "decode", True, medians[1]),
                 ]
             else:
-                samples.append(
-                    StepSample(es, "prefill" if es.has_prefill else "decode", False, first)
-                )
+                phase = "prefill" if es.has_prefill else "decode"
+                samples.append(StepSample(es, phase, False, medians[0]))
         return samples
 
     def prepare_overhead(self, repeats: int) -> float:
