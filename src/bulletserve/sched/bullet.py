@@ -282,14 +282,20 @@ class BulletPolicy:
         risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
         ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         # On a GPU the lanes gain from running together, so only an at-risk prefill pauses
-        # decode, and only when decode can wait out the step within one TPOT. On a CPU
-        # co-running can be zero-sum or worse (one thread of two running a prefill at half
-        # speed, a 50-row decode on the other at 180 ms against 76 ms on both: bench-cpu-22):
-        # where the profile predicts that the two steps one after the other on every thread
-        # take no longer than side by side, the lanes take turns on the whole CPU and the SLOs
-        # say whose turn it is. Prefill goes first (a burst, or its TTFT is missing) unless
-        # TPOT is over its SLO while TTFT holds: then decode goes, until a prompt is at risk.
+        # decode, and only when decode can wait out the step within one TPOT. On a CPU a lane
+        # has at most a few threads to give, and a prefill on fewer of them costs TTFT: while
+        # TPOT holds and decode can wait out a full-CPU prefill step within one TPOT, the
+        # prefill takes every thread (the CPU sweeps' misses were all TTFT, with P90 TPOT at
+        # half its SLO: bench-cpu-26). Co-running can also be zero-sum or worse (one thread of
+        # two running a prefill at half speed, a 50-row decode on the other at 180 ms against
+        # 76 ms on both: bench-cpu-22): where the profile predicts that the two steps one
+        # after the other on every thread take no longer than side by side, the lanes take
+        # turns on the whole CPU and the SLOs say whose turn it is. Prefill goes first (a
+        # burst, or its TTFT is missing) unless TPOT is over its SLO while TTFT holds: then
+        # decode goes, until a prompt is at risk.
         if self.perf.hw.kind == "cpu":
+            if tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
+                return Split(total, 0)
             remaining = self.num_layers - (step.layer_start if step else 0)
             if not self._co_running_pays(
                 snap.now, prefill_batch, lens, decode_ctx, layers, remaining
