@@ -182,6 +182,8 @@ def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
         for i, rate in enumerate(args.rates.split(",")):
             for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
                 out = args.out / f"{label}.rate-{rate}.json"
+                if args.profile_each_run:
+                    profile_now(out.with_suffix(".profile.json"))
                 parts[label].append(run_bench(label, servers[label][1], rate, out, args, slo))
                 print(f"{label} at {rate} req/s done", flush=True)
     finally:
@@ -198,6 +200,15 @@ def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
         merged.save(args.out / f"{label}.json")
         files.append(args.out / f"{label}.json")
     return files
+
+
+def profile_now(path: Path) -> None:
+    """`bullet profile --quick` of this CPU now, for the simulator to replay the next run on
+    the machine's speed of the moment (it swung 2x within half an hour)."""
+    cli = [sys.executable, "-m", "bulletserve.cli", "profile", "--device", "cpu", "--quick"]
+    result = subprocess.run(cli + ["--output", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"bullet profile failed:\n{result.stderr[-2000:]}")
 
 
 def main() -> None:
@@ -218,7 +229,15 @@ def main() -> None:
         action="store_true",
         help="every server up at once; each rate runs against every configuration in turn",
     )
+    parser.add_argument(
+        "--profile-each-run",
+        action="store_true",
+        help="with --interleave: a quick `bullet profile` before every run, saved beside it as "
+        "LABEL.rate-R.profile.json (for scripts/sim_fidelity.py --profile-per-run)",
+    )
     args = parser.parse_args()
+    if args.profile_each_run and not args.interleave:
+        parser.error("--profile-each-run needs --interleave")
     args.out.mkdir(parents=True, exist_ok=True)
     iso_path = args.out / "isolated.json"
     if not iso_path.exists():

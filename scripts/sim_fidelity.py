@@ -10,6 +10,10 @@ result's label (`bullet...`, `chunked-N`, `prefill-first`) unless --policy says 
 Engine settings default to `bullet serve`'s; the KV pool is unbounded unless
 --num-gpu-blocks-override gives the server's.
 
+--profile-per-run: replay each run on the quick profile taken right before it
+(`scripts/bench_lanes_cpu.py --interleave --profile-each-run`), so that the machine's speed of
+the moment, which swung 2x within half an hour, is not counted against the simulator.
+
 --group: the files are repeats of the same sweeps (several runs of each label, e.g. the same
 configuration from different days); each figure is then the median over the runs that have its
 rate, measured and simulated, beside the measured runs' own spread (largest over smallest, -1):
@@ -117,14 +121,31 @@ class HostTaxedPerfModel(CachedPerfModel):
         )
 
 
+def run_profile(path: Path, label: str, rate: float) -> str:
+    """The profile taken right before the run of `label` at `rate` (`scripts/bench_lanes_cpu.py
+    --profile-each-run`), beside the measured result file."""
+    for candidate in path.parent.glob(f"{label}.rate-*.profile.json"):
+        text = candidate.name.removeprefix(f"{label}.rate-").removesuffix(".profile.json")
+        if float(text) == rate:
+            return str(candidate)
+    raise FileNotFoundError(f"no {label}.rate-{rate:g}.profile.json beside {path}")
+
+
 def simulate_like(
-    result: BenchResult, base: SimConfig, policy: str | None, host_ms_per_row: float = 0.0
+    result: BenchResult,
+    base: SimConfig,
+    policy: str | None,
+    host_ms_per_row: float = 0.0,
+    path: Path | None = None,
 ) -> BenchResult:
+    """The measured result replayed run by run; with `path` (the result's file), each run on
+    the profile taken right before it."""
     name, chunk = (policy, base.chunked_prefill_size) if policy else policy_of(result.label)
     runs = []
     for run in result.runs:
         config = replace(
             base,
+            hardware=run_profile(path, result.label, run.request_rate) if path else base.hardware,
             policy=name,
             chunked_prefill_size=chunk or base.chunked_prefill_size,
             request_rates=(run.request_rate,),
@@ -143,9 +164,14 @@ def simulate_like(
         runs.append(
             simulate_requests(config, env, make_sim_policy(config, env), requests, run.request_rate)
         )
+    profiles = (
+        sorted({run_profile(path, result.label, r.request_rate) for r in result.runs})
+        if path
+        else base.hardware
+    )
     return BenchResult(
         label=f"{result.label} (replayed)",
-        config={"measured": result.label, "profile": base.hardware, "model": base.model},
+        config={"measured": result.label, "profile": profiles, "model": base.model},
         runs=runs,
         simulated=True,
         hardware=env.hardware_name,
@@ -200,27 +226,34 @@ def what_if_profile(path: str, slowdown: float, step_overhead_ms: float | None) 
 
 
 def per_run_table(
-    paths: list[Path], base: SimConfig, policy: str | None, per_row: float, out_dir: Path | None
+    paths: list[Path],
+    base: SimConfig,
+    policy: str | None,
+    per_row: float,
+    out_dir: Path | None,
+    profile_per_run: bool = False,
 ) -> float:
     """Each measured run beside its replay; returns the largest difference."""
     print("| measured run | rate | metric | measured | simulated | difference |")
     print("|---|---|---|---|---|---|")
-    worst = 0.0
+    worst, misses, figures = 0.0, 0, 0
     for path in paths:
         result = load_result(path)
-        simulated = simulate_like(result, base, policy, per_row)
+        simulated = simulate_like(result, base, policy, per_row, path if profile_per_run else None)
         if out_dir:
             out_dir.mkdir(parents=True, exist_ok=True)
             simulated.save(out_dir / f"sim-{path.name}")
         for measured_run, sim_run in zip(result.runs, simulated.runs, strict=True):
             for name, m, s, diff in compare(measured_run, sim_run):
                 worst = max(worst, abs(diff))
+                figures += 1
+                misses += abs(diff) > TARGET
                 flag = "" if abs(diff) <= TARGET else " **"
                 print(
                     f"| {result.label} | {measured_run.request_rate:g} | {name} | {m:.1f} | "
                     f"{s:.1f} | {diff:+.1%}{flag} |"
                 )
-    print()
+    print(f"\n{misses} of {figures} figures differ by more than {TARGET:.0%}\n")
     return worst
 
 
@@ -270,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("measured", nargs="+", type=Path, help="bullet bench result files")
-    parser.add_argument("--profile", required=True, help="the `bullet profile` JSON of the device")
+    parser.add_argument("--profile", help="the `bullet profile` JSON of the device")
+    parser.add_argument(
+        "--profile-per-run",
+        action="store_true",
+        help="replay each run on the profile taken right before it (LABEL.rate-R.profile.json "
+        "beside the result file: scripts/bench_lanes_cpu.py --profile-each-run)",
+    )
     parser.add_argument("--model", default="smollm2-135m", help="model preset or config.json")
     parser.add_argument("--policy", help="the served policy, when labels do not say")
     parser.add_argument("--chunked-prefill-size", type=int)
@@ -308,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also compare the isolated latencies of this isolated.json with the profile",
     )
     args = parser.parse_args(argv)
+    if args.profile_per_run:
+        if args.profile or args.group or args.isolated or args.slowdown != 1.0:
+            parser.error("--profile-per-run takes no --profile, --group, --isolated or --slowdown")
+        if args.step_overhead_ms is not None:
+            parser.error("--profile-per-run takes no --step-overhead-ms")
+    elif not args.profile:
+        parser.error("--profile is required (or --profile-per-run)")
     if args.isolated:
         isolated_table(args.isolated, args.profile, args.model, args.dtype)
         print()
@@ -327,7 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.group:
         worst = grouped_table(args.measured, base, args.policy, args.host_ms_per_row)
     else:
-        worst = per_run_table(args.measured, base, args.policy, args.host_ms_per_row, args.out_dir)
+        worst = per_run_table(
+            args.measured,
+            base,
+            args.policy,
+            args.host_ms_per_row,
+            args.out_dir,
+            args.profile_per_run,
+        )
     print(f"largest difference {worst:.1%} (target {TARGET:.0%}; ** marks misses)")
     if profile != args.profile:
         Path(profile).unlink()

@@ -148,3 +148,42 @@ def test_isolated_table_sets_each_request_beside_its_lone_prefill(capsys):
     assert rows[0] == f"| {tokens} | {measured:.1f} | {predicted * 1e3:.1f} | " + (
         f"{measured - predicted * 1e3:+.1f} ms |"
     )
+
+
+def test_profile_per_run_replays_each_run_on_the_profile_taken_before_it(tmp_path, capsys):
+    """Two runs measured (here: simulated) on a machine whose speed halved between them: each
+    replayed on the profile saved beside it matches exactly, and a missing one is named."""
+    fast = _cpu_profile(tmp_path)
+    slow_raw = json.loads(fast.read_text())
+    slow_raw["peak_flops"] = {"bfloat16": 1e11}
+    slow_raw["peak_bandwidth"] = 2.5e10
+    runs = []
+    for rate, raw in ((1.0, json.loads(fast.read_text())), (2.0, slow_raw)):
+        path = tmp_path / f"bullet.rate-{rate:g}.profile.json"
+        path.write_text(json.dumps(raw))
+        config = SimConfig(
+            hardware=str(path),
+            model="smollm2-135m",
+            policy="bullet",
+            num_prompts=12,
+            request_rates=(rate,),
+            slo=SLO(3.0, 150.0),
+            noise=0.0,
+            num_gpu_blocks_override=4000,
+        )
+        runs += simulate(config).runs
+    measured = dataclasses.replace(
+        simulate(config), label="bullet", runs=runs, simulated=False, hardware=None
+    )
+    measured_path = tmp_path / "bullet.json"
+    measured.save(measured_path)
+    argv = [str(measured_path), "--profile-per-run", "--noise", "0"]
+    assert _script().main(argv + ["--num-gpu-blocks-override", "4000"]) == 0
+    out = capsys.readouterr().out
+    assert "largest difference 0.0%" in out and "0 of 6 figures" in out
+    # On one profile for both, the slow run's replay is off.
+    argv = [str(measured_path), "--profile", str(fast), "--noise", "0"]
+    assert _script().main(argv + ["--num-gpu-blocks-override", "4000"]) == 1
+    (tmp_path / "bullet.rate-2.profile.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"bullet.rate-2.profile.json"):
+        _script().main([str(measured_path), "--profile-per-run"])
