@@ -276,11 +276,6 @@ class BulletPolicy:
             decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
-        # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
-        # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
-        # until prefill had none, and no first token (the only TTFT evidence) would come.
-        risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
-        ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         # On a GPU the lanes gain from running together, so only an at-risk prefill pauses
         # decode, and only when decode can wait out the step within one TPOT. On a CPU a lane
         # has at most a few threads to give, and a prefill on fewer of them costs TTFT: while
@@ -290,9 +285,10 @@ class BulletPolicy:
         # two running a prefill at half speed, a 50-row decode on the other at 180 ms against
         # 76 ms on both: bench-cpu-22): where the profile predicts that the two steps one
         # after the other on every thread take no longer than side by side, the lanes take
-        # turns on the whole CPU and the SLOs say whose turn it is. Prefill goes first (a
-        # burst, or its TTFT is missing) unless TPOT is over its SLO while TTFT holds: then
-        # decode goes, until a prompt is at risk.
+        # turns on the whole CPU, prefill first, whatever TPOT does. (Letting decode go first
+        # while TPOT missed and TTFT held did not pay: bullet then lost to prefill-first under
+        # overload, 0.55 against 0.73 at 5.5 req/s in bench-cpu-27, 0.41 against 0.74 at 4
+        # in bench-cpu-28, with more TPOT misses, not fewer.)
         if self.perf.hw.kind == "cpu":
             if tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
                 return Split(total, 0)
@@ -300,7 +296,12 @@ class BulletPolicy:
             if not self._co_running_pays(
                 snap.now, prefill_batch, lens, decode_ctx, layers, remaining
             ):
-                return Split(total, 0) if tpot_ok or not ttft_ok else Split(0, total)
+                return Split(total, 0)
+        # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
+        # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
+        # until prefill had none, and no first token (the only TTFT evidence) would come.
+        risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
+        ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         if tpot_ok and risky and self._decode_can_pause(lens, decode_ctx, layers):
             return Split(total, 0)
         if not ttft_ok and not tpot_ok:
