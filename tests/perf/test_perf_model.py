@@ -117,9 +117,7 @@ def test_a_step_that_reaches_the_lm_head_pays_the_sampler_for_each_row():
 
 def test_online_correction_tracks_drift():
     model = PerfModel(LLAMA, H100, correction_weight=0.2)
-    es = ExecutionState(
-        prefill_lens=(2048,), prefill_units=64, decode_ctx=(300,) * 16, decode_units=64
-    )
+    es = ExecutionState(prefill_lens=(2048,), prefill_units=64)
     truth = 1.3 * model.predict(es).prefill_s
     for _ in range(40):
         model.observe(es, "prefill", truth)
@@ -127,6 +125,23 @@ def test_online_correction_tracks_drift():
     assert model.correction["decode"] == 1.0
     model.observe(es, "prefill", 1e3 * truth)  # an outlier is ignored
     assert model.predict(es).prefill_s == pytest.approx(truth, rel=0.01)
+
+
+def test_co_running_steps_learn_a_factor_on_top_of_the_drift():
+    """Steps alone track the machine's drift; co-running steps only what the profile's
+    co-running points miss beyond it, so a run of steps alone does not erase it."""
+    model = PerfModel(LLAMA, H100, correction_weight=0.2)
+    alone = ExecutionState(prefill_lens=(2048,), prefill_units=64)
+    beside = dataclasses.replace(alone, decode_ctx=(300,) * 16, decode_units=68)
+    alone_truth = 1.2 * model.predict(alone).prefill_s
+    beside_truth = 1.2 * 1.1 * model.predict(beside).prefill_s
+    for _ in range(40):
+        model.observe(alone, "prefill", alone_truth)
+        model.observe(beside, "prefill", beside_truth)
+    assert model.predict(alone).prefill_s == pytest.approx(alone_truth, rel=0.01)
+    assert model.predict(beside).prefill_s == pytest.approx(beside_truth, rel=0.01)
+    assert model.corun_correction["prefill"] == pytest.approx(1.1, rel=0.01)
+    assert model.corun_correction["decode"] == 1.0
 
 
 def test_idle_lanes_and_missing_units():

@@ -8,7 +8,10 @@ For a phase on N_p of the device's N units,
 where a GPU GEMM's C_p is further scaled by its wave efficiency (tiles over units). The
 prediction is `overhead + alpha(N_p, rows) * T' * correction`: alpha comes from the profile's
 measured points for the phase (co-running points when the other lane is busy), and the online
-correction is an EWMA of measured / predicted that `observe` updates from real steps. A step
+correction is an EWMA of measured / predicted that `observe` updates from real steps: steps
+alone set a phase's correction (the machine's drift), co-running steps a further factor on top
+of it (what the profile's co-running points miss: served side-by-side steps ran 8-15% over
+their corrected predictions on the 2-vCPU machine while steps alone were within 1-6%). A step
 that reaches the LM head also pays the engine's sampler for each of its rows, at the profile's
 measured cost per logit (0 where the profile has none, as the datasheet presets). A decode
 step co-running with a prefill sees the profile's contention-adjusted bandwidth, and a co-running
@@ -90,6 +93,7 @@ class PerfModel:
         self.cfg, self.hw, self.dtype = cfg, hw, dtype
         self.correction_weight = correction_weight
         self.correction = dict.fromkeys(PREDICT_PHASES, 1.0)
+        self.corun_correction = dict.fromkeys(PREDICT_PHASES, 1.0)
         self._c_peak = hw.peak_flops[dtype]
         self._tile = hw.gemm_tile if hw.kind == "gpu" else None
         # Per scope: (flop coeffs, byte coeffs, fixed bytes, gemm cols, gemm rows index).
@@ -247,19 +251,29 @@ class PerfModel:
         """Prefill and decode step times of `es` in seconds (0 for an idle lane)."""
         corun = es.has_prefill and es.has_decode
         return StepPrediction(
-            self._phase_time(es, "prefill", corun) * self.correction["prefill"],
-            self._phase_time(es, "decode", corun) * self.correction["decode"],
+            self._phase_time(es, "prefill", corun) * self._correction("prefill", corun),
+            self._phase_time(es, "decode", corun) * self._correction("decode", corun),
         )
 
+    def _correction(self, phase: str, corun: bool) -> float:
+        return self.correction[phase] * (self.corun_correction[phase] if corun else 1.0)
+
     def observe(self, es: ExecutionState, phase: str, measured_s: float) -> None:
-        """Fold one measured step time of `phase` into that phase's running correction."""
+        """Fold one measured step time of `phase` into its running correction: the phase's
+        own for a step alone, the co-running factor on top of it for a step beside the other
+        lane's."""
         if phase not in PREDICT_PHASES:
             raise ValueError(f"unknown phase {phase!r}; expected 'prefill' or 'decode'")
-        predicted = self._phase_time(es, phase, es.has_prefill and es.has_decode)
+        corun = es.has_prefill and es.has_decode
+        predicted = self._phase_time(es, phase, corun)
         if predicted <= 0.0 or measured_s <= 0.0:
             return
         ratio = measured_s / predicted
         if not _RATIO_BAND[0] <= ratio <= _RATIO_BAND[1]:
             return
         w = self.correction_weight
-        self.correction[phase] = (1 - w) * self.correction[phase] + w * ratio
+        if corun:
+            factor = ratio / self.correction[phase]
+            self.corun_correction[phase] = (1 - w) * self.corun_correction[phase] + w * factor
+        else:
+            self.correction[phase] = (1 - w) * self.correction[phase] + w * ratio
