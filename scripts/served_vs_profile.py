@@ -1,0 +1,87 @@
+"""Served decode steps against the profile taken right before each run: for every
+configuration and rate of a `bench_lanes_cpu.py --interleave --profile-each-run` sweep, the
+median measured decode-only step at 8-15 rows on every thread (from the configuration's step
+log) beside what that run's profile predicts for 12 rows at context 150.
+
+    .venv/bin/python scripts/served_vs_profile.py docs/data/bench-cpu-28 [--labels bullet,...]
+
+A configuration's step log covers all its rates; a rate's steps are told apart by the idle
+gaps (over 10 s) between its runs, taken in the order the rates ran (ascending).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from bulletserve.model.presets import get_preset
+from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.state import ExecutionState
+
+ROWS = range(8, 16)
+GAP_S = 10.0
+MIN_STEPS = 100  # the warm-up request's few steps are not a run
+
+
+def runs_of(step_log: Path) -> list[list[dict]]:
+    """The step log's records split at idle gaps; segments too short to be a run dropped."""
+    steps = sorted(
+        (json.loads(line) for line in step_log.read_text().splitlines()), key=lambda s: s["time"]
+    )
+    segments: list[list[dict]] = [[]]
+    for step in steps:
+        if segments[-1] and step["time"] - segments[-1][-1]["time"] > GAP_S:
+            segments.append([])
+        segments[-1].append(step)
+    return [s for s in segments if len(s) >= MIN_STEPS]
+
+
+def is_full_decode(step: dict, total_units: int) -> bool:
+    rows = step.get("decode_seqs", step["batch_size"])
+    return (
+        step["lane"] == "decode"
+        and step.get("prefill_tokens", 0) == 0
+        and rows in ROWS
+        and step["split"] in ([0, total_units], [total_units, total_units])
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--labels", default="bullet,prefill-first,chunked-512")
+    parser.add_argument("--model", default="smollm2-135m")
+    args = parser.parse_args()
+    cfg = get_preset(args.model)
+    print("| config | rate | served ms (steps) | profile before ms | served / profile |")
+    print("|---|---:|---:|---:|---:|")
+    for label in args.labels.split(","):
+        log = args.sweep / f"{label}.steps.jsonl"
+        if not log.exists():
+            continue
+        profiles = {
+            float(p.name.removeprefix(f"{label}.rate-").removesuffix(".profile.json")): p
+            for p in args.sweep.glob(f"{label}.rate-*.profile.json")
+        }
+        runs = runs_of(log)
+        if len(runs) != len(profiles):
+            raise SystemExit(f"{log}: {len(runs)} runs in the step log, {len(profiles)} profiles")
+        for rate, steps in zip(sorted(profiles), runs, strict=True):
+            hw = HardwareProfile.load(profiles[rate])
+            served = [s["measured_s"] * 1e3 for s in steps if is_full_decode(s, hw.units)]
+            es = ExecutionState(decode_ctx=(150,) * 12, decode_units=hw.units)
+            predicted = PerfModel(cfg, hw, "bfloat16").predict(es).decode_s * 1e3
+            if not served:
+                continue
+            median = statistics.median(served)
+            print(
+                f"| {label} | {rate:g} | {median:.1f} ({len(served)}) | {predicted:.1f} | "
+                f"{median / predicted:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
