@@ -40,6 +40,7 @@ def main() -> None:
     bench = StepBench(model, units, args.batch * (PROMPT_TOKENS + args.tokens) + 64)
     contexts = (PROMPT_TOKENS, PROMPT_TOKENS + args.tokens // 2, PROMPT_TOKENS + args.tokens)
     with torch.inference_mode():
+        # `_once`: one step per call, exactly as `StepBench.measure` times a round.
         for ctx in contexts:
             times = [
                 bench._once(bench.decode_works(args.batch, ctx), units.total) * 1e3
