@@ -1,5 +1,6 @@
-"""Summarize a `--step-log` file: time per lane and split, step latency, prediction error, and
-the decode lane's steps by batch size (runner time, and the host's time between one
+"""Summarize a `--step-log` file: time per lane and split, the steps per rule of the bullet
+policy that chose their split, step latency, prediction error, and the decode lane's steps by
+batch size (runner time, and the host's time between one
 whole-device decode step's end and the next one's start).
 
 python scripts/analyze_step_log.py docs/data/bench-cpu/bullet.steps.jsonl
@@ -21,9 +22,12 @@ def summarize(path: Path) -> dict:
     by_split: dict[tuple[str, tuple[int, int]], list[float]] = defaultdict(list)
     errors: dict[str, list[float]] = defaultdict(list)
     sizes: dict[str, list[int]] = defaultdict(list)
+    rules: dict[str, int] = defaultdict(int)
     for r in records:
         busy[r["lane"]] += r["measured_s"]
         by_split[(r["lane"], tuple(r["split"]))].append(r["measured_s"])
+        if r.get("rule"):  # logs from before the rule was logged have none
+            rules[f"{r['lane']} {r['rule']} {r['split'][0]}/{r['split'][1]}"] += 1
         sizes[r["lane"]].append(r.get("tokens", r.get("batch_size", 0)))
         if r["measured_s"] > 0 and "predicted_s" in r:  # the single-lane engine predicts none
             errors[r["lane"]].append(abs(r["predicted_s"] / r["measured_s"] - 1))
@@ -40,6 +44,7 @@ def summarize(path: Path) -> dict:
             }
             for (lane, split), times in sorted(by_split.items())
         },
+        "steps_by_rule": dict(sorted(rules.items())),
         "median_tokens_per_step": {lane: statistics.median(v) for lane, v in sizes.items()},
         "median_abs_prediction_error": {lane: statistics.median(v) for lane, v in errors.items()},
     }

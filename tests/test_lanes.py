@@ -13,7 +13,7 @@ import torch
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.partition.cpu import use_one_thread
-from bulletserve.sched.bullet import Split, parse_partition
+from bulletserve.sched.bullet import SPLIT_RULES, Split, parse_partition
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -60,6 +60,9 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
         assert record["measured_s"] > 0 and record["predicted_s"] > 0
         assert 0 < record["runner_s"] <= record["measured_s"]  # the model's time within the step
         assert len(record["split"]) == 2
+        assert record["rule"] in SPLIT_RULES
+    if settings.get("partition", "auto") != "auto":
+        assert {r["rule"] for r in records} <= {"none", "static", "no-prefill", "no-decode"}
     layer_ranges = [tuple(r["layers"]) for r in records if r["lane"] == "prefill"]
     if settings.get("prefill_layers_per_step") == 1:
         assert {(0, 1), (1, 2)} <= set(layer_ranges)

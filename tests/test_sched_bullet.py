@@ -14,6 +14,7 @@ from bulletserve.perf.hardware import load_preset
 from bulletserve.perf.model import PerfModel
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.bullet import (
+    SPLIT_RULES,
     BulletPolicy,
     BulletSnapshot,
     LatencyStats,
@@ -102,6 +103,7 @@ def check_split(policy: BulletPolicy, split: Split) -> None:
     units = policy.units
     assert units.is_valid(split.prefill) and units.is_valid(split.decode)
     assert split.prefill + split.decode <= units.total
+    assert split.rule in SPLIT_RULES
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -228,8 +230,11 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
     assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split == Split(2, 0)
     assert zero_sum.plan_decode(snap(2, 64, 0.2)).split == Split(2, 0)
     assert zero_sum.plan_decode(snap(2, 64, 0.2, p90_ttft=1.5)).split == Split(2, 0)
+    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split.rule == "cpu-turns"
     assert POLICIES["cpu"].plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
+    assert POLICIES["cpu"].plan_prefill(snap(2, 64, 0.05)).split.rule == "cpu-decode-waits"
     assert TIGHT_TPOT_CPU.plan_prefill(snap(2, 64, 0.005)).split == Split(1, 1)
+    assert TIGHT_TPOT_CPU.plan_prefill(snap(2, 64, 0.005)).split.rule == "decode-fewest"
     assert POLICIES["h100"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
 
 

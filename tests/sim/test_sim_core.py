@@ -9,7 +9,7 @@ import pytest
 from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.metrics import SLO
 from bulletserve.perf.state import ExecutionState
-from bulletserve.sched.bullet import BulletPolicy
+from bulletserve.sched.bullet import SPLIT_RULES, BulletPolicy
 from bulletserve.sim.device import Noise
 from bulletserve.sim.hardware import (
     DEVICE_MEMORY,
@@ -135,6 +135,7 @@ def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
     for r in steps:
         assert r["measured_s"] == pytest.approx(r["predicted_s"], rel=1e-9)
         assert r["split"][0] + r["split"][1] <= 108 or r["split"] == [108, 108]
+        assert r["rule"] in SPLIT_RULES
         # The split logged is the one the step started under: the lane ran on its share of it
         # (a lane whose share is 0 does not start).
         share = r["split"][0] if r["lane"] == "prefill" else r["split"][1]

@@ -348,6 +348,7 @@ class LanedEngine(LLMEngine):
                 "time": time.monotonic(),
                 "lane": lane,
                 "split": [split.prefill, split.decode],
+                "rule": split.rule,
             }
             record |= fields | {"predicted_s": predicted, "measured_s": measured}
             self._step_log.write(json.dumps(record) + "\n")

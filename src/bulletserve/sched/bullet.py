@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.state import ExecutionState
@@ -22,14 +22,30 @@ RISK_SHARE = 0.7
 # Decode gets units for a predicted step time within this share of the TPOT SLO.
 TPOT_HEADROOM = 0.8
 STATS_WINDOW = 64  # recent requests behind the P90 TTFT and TPOT the scheduler sees
+# The rules of `BulletPolicy.choose_split`, as a split (and the step log) names them.
+SPLIT_RULES = {
+    "none": "--partition none: both lanes on every unit",
+    "static": "--partition static:P/D",
+    "no-prefill": "nothing to prefill: decode gets every unit",
+    "no-decode": "nothing to decode: prefill gets every unit",
+    "cpu-decode-waits": "CPU, TPOT holds: decode waits out a full-CPU prefill step",
+    "cpu-turns": "CPU, co-running does not pay: the lanes take turns, prefill first",
+    "at-risk-first": "an at-risk prefill takes the device; decode waits within one TPOT",
+    "balance": "TTFT and TPOT both missing: half the units each",
+    "decode-fewest": "TPOT holds: decode gets the fewest units that keep it",
+    "decode-grows": "TPOT missing: decode grows by a granule",
+}
 
 
 @dataclass(frozen=True)
 class Split:
-    """Units per lane. 0 pauses a lane; with partitioning off both lanes get every unit."""
+    """Units per lane. 0 pauses a lane; with partitioning off both lanes get every unit.
+    `rule` names the rule of `BulletPolicy.choose_split` that chose it, for the step log; it
+    does not take part in comparisons."""
 
     prefill: int
     decode: int
+    rule: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -127,7 +143,7 @@ def parse_partition(text: str, total_units: int | None = None) -> tuple[str, Spl
         raise ValueError(f"--partition must be auto, none or static:P/D, not {text!r}") from None
     if total_units is not None and prefill + decode > total_units:
         raise ValueError(f"--partition {text}: P + D exceeds the device's {total_units} units")
-    return "static", Split(prefill, decode)
+    return "static", Split(prefill, decode, "static")
 
 
 @dataclass(frozen=True)
@@ -259,13 +275,13 @@ class BulletPolicy:
     ) -> Split:
         total = self.units.total
         if self.partition == "none":
-            return Split(total, total)
+            return Split(total, total, "none")
         has_prefill = bool(prefill_batch)
         has_decode = bool(snap.decoding) if decode is None else bool(decode)
         if not has_prefill:
-            return Split(0, total)
+            return Split(0, total, "no-prefill")
         if not has_decode:
-            return Split(total, 0)
+            return Split(total, 0, "no-decode")
         if self.partition == "static":
             return self.static_split
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
@@ -291,31 +307,32 @@ class BulletPolicy:
         # in bench-cpu-28, with more TPOT misses, not fewer.)
         if self.perf.hw.kind == "cpu":
             if tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
-                return Split(total, 0)
+                return Split(total, 0, "cpu-decode-waits")
             remaining = self.num_layers - (step.layer_start if step else 0)
             if not self._co_running_pays(
                 snap.now, prefill_batch, lens, decode_ctx, layers, remaining
             ):
-                return Split(total, 0)
+                return Split(total, 0, "cpu-turns")
         # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
         # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
         # until prefill had none, and no first token (the only TTFT evidence) would come.
         risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
         ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         if tpot_ok and risky and self._decode_can_pause(lens, decode_ctx, layers):
-            return Split(total, 0)
+            return Split(total, 0, "at-risk-first")
         if not ttft_ok and not tpot_ok:
+            rule = "balance"
             decode_units = self._round_down(total // 2) or self.units.counts()[0]
         else:
             d_min = self._fewest_decode_units(lens, decode_ctx, layers)
             if tpot_ok:
-                decode_units = d_min
+                rule, decode_units = "decode-fewest", d_min
             else:
                 grown = snap.split.decode + self.units.granularity
-                decode_units = min(total, max(d_min, self._round_down(grown)))
+                rule, decode_units = "decode-grows", min(total, max(d_min, self._round_down(grown)))
         if total - decode_units < self.units.least_remainder:
             decode_units = total  # too little would be left to run a prefill on
-        return Split(total - decode_units, decode_units)
+        return Split(total - decode_units, decode_units, rule)
 
     def _fewest_decode_units(
         self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int

@@ -250,6 +250,7 @@ class LanedSimulator:
             "time": now,
             "lane": lane,
             "split": [step.split.prefill, step.split.decode],
+            "rule": step.split.rule,
             "units": step.units,
             "batch_size": len(step.requests),
             "predicted_s": step.busy_s,

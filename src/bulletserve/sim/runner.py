@@ -120,7 +120,7 @@ def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
             "--slo-tpot-ms, or a dataset with paper SLOs"
         )
     hw = env.perf.hw
-    static = Split(*config.static_split) if config.static_split else None
+    static = Split(*config.static_split, "static") if config.static_split else None
     try:
         return BulletPolicy(
             perf=env.perf,
