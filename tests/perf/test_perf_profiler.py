@@ -113,6 +113,15 @@ def test_gpu_micro_benchmarks_are_sized_past_launch_overhead_and_l2():
     assert gemm_n >= 8192 and nbytes >= 1 << 30
 
 
+def test_every_plan_times_chat_sized_prompts():
+    """Half of sharegpt-like's prompts are under 32 tokens, a fifth under 16: the profile
+    measures them rather than clamp the alpha surface below its first point."""
+    from bulletserve.perf.profiler import PLANS
+
+    for name, plan in PLANS.items():
+        assert min(plan.prefill_lens) <= 16, name
+
+
 def test_every_plan_times_co_running_prefills_as_short_as_its_shortest_prompt():
     """The co-running alpha surface clamps below its first point; on the CPU a 64-token prefill
     beside a decode ran at about twice the 256-token alpha, so a plan that started at 256

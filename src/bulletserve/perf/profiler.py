@@ -26,6 +26,9 @@ class SweepPlan:
     gemm_n: int
     bandwidth_bytes: int
     micro_repeats: int
+    # Down to chat-sized prompts (half of sharegpt-like's are under 32 tokens, a fifth under
+    # 16), which the alpha surface would otherwise extrapolate by clamping below its first
+    # point.
     prefill_lens: tuple[int, ...]
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
@@ -47,10 +50,10 @@ PLANS = {
         gemm_n=2048,
         bandwidth_bytes=256 << 20,
         micro_repeats=5,
-        prefill_lens=(32, 128, 512, 1024, 2048),
+        prefill_lens=(8, 32, 128, 512, 1024, 2048),
         decode_batches=(1, 4, 16, 32, 64),
         decode_contexts=(128, 512, 1024),
-        corun_prefill_lens=(32, 128, 512, 2048),
+        corun_prefill_lens=(8, 32, 128, 512, 2048),
         corun_decode_batches=(1, 4, 16, 64),
         repeats=3,
         max_unit_counts=6,
@@ -59,10 +62,10 @@ PLANS = {
         gemm_n=1024,
         bandwidth_bytes=64 << 20,
         micro_repeats=3,
-        prefill_lens=(64, 256, 1024),
+        prefill_lens=(16, 64, 256, 1024),
         decode_batches=(1, 8, 32),
         decode_contexts=(256,),
-        corun_prefill_lens=(64, 256, 1024),
+        corun_prefill_lens=(16, 64, 256, 1024),
         corun_decode_batches=(1, 8, 32),
         repeats=2,
         max_unit_counts=3,
