@@ -1,0 +1,68 @@
+"""Served single-prompt prefills on every thread against the profile taken right before each
+run, by prompt size: for a `bench_lanes_cpu.py --interleave --profile-each-run` sweep, each
+prefill step of one prompt that ran alone (no decode rows in it, no decode lane beside it)
+beside the run's own profile's prediction for that prompt.
+
+    .venv/bin/python scripts/served_prefills_vs_profile.py docs/data/bench-cpu-30 \
+        [--labels bullet,prefill-first]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from served_vs_profile import runs_of
+
+from bulletserve.model.presets import get_preset
+from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.perf.model import PerfModel
+from bulletserve.perf.state import ExecutionState
+
+BUCKETS = ((0, 32), (32, 64), (64, 128), (128, 1 << 20))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--labels", default="bullet,prefill-first")
+    parser.add_argument("--model", default="smollm2-135m")
+    args = parser.parse_args()
+    cfg = get_preset(args.model)
+    # bucket -> (served / predicted, served ms, predicted ms) per step
+    buckets: dict[tuple[int, int], list[tuple[float, float, float]]] = defaultdict(list)
+    for label in args.labels.split(","):
+        profiles = {
+            float(p.name.removeprefix(f"{label}.rate-").removesuffix(".profile.json")): p
+            for p in args.sweep.glob(f"{label}.rate-*.profile.json")
+        }
+        runs = runs_of(args.sweep / f"{label}.steps.jsonl")
+        for rate, steps in zip(sorted(profiles), runs, strict=True):
+            hw = HardwareProfile.load(profiles[rate])
+            perf = PerfModel(cfg, hw, "bfloat16")
+            for s in steps:
+                alone = s["split"] == [hw.units, 0] and s.get("decode_seqs", 0) == 0
+                if s["lane"] != "prefill" or s["batch_size"] != 1 or not alone:
+                    continue
+                tokens = s.get("prefill_tokens", s["tokens"])
+                es = ExecutionState(prefill_lens=(tokens,), prefill_units=hw.units)
+                predicted = perf.predict(es).prefill_s
+                bucket = next(b for b in BUCKETS if b[0] <= tokens < b[1])
+                buckets[bucket].append((s["measured_s"] / predicted, s["measured_s"], predicted))
+    print("| prompt tokens | steps | served ms | predicted ms | served / predicted |")
+    print("|---|---:|---:|---:|---:|")
+    for low, high in BUCKETS:
+        rows = buckets[(low, high)]
+        if rows:
+            size = f"{low}-{high - 1}" if high < 1 << 20 else f"{low}+"
+            ratio, served, predicted = (statistics.median(r[i] for r in rows) for i in range(3))
+            print(
+                f"| {size} | {len(rows)} | {served * 1e3:.1f} | {predicted * 1e3:.1f} | "
+                f"{ratio:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
