@@ -14,7 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from served_vs_profile import runs_of
+from served_vs_profile import runs_with_profiles
 
 from bulletserve.model.presets import get_preset
 from bulletserve.perf.hardware import HardwareProfile
@@ -34,13 +34,8 @@ def main() -> None:
     # bucket -> (served / predicted, served ms, predicted ms) per step
     buckets: dict[tuple[int, int], list[tuple[float, float, float]]] = defaultdict(list)
     for label in args.labels.split(","):
-        profiles = {
-            float(p.name.removeprefix(f"{label}.rate-").removesuffix(".profile.json")): p
-            for p in args.sweep.glob(f"{label}.rate-*.profile.json")
-        }
-        runs = runs_of(args.sweep / f"{label}.steps.jsonl")
-        for rate, steps in zip(sorted(profiles), runs, strict=True):
-            hw = HardwareProfile.load(profiles[rate])
+        for _, steps, profile in runs_with_profiles(args.sweep, label):
+            hw = HardwareProfile.load(profile)
             perf = PerfModel(cfg, hw, "bfloat16")
             for s in steps:
                 alone = s["split"] == [hw.units, 0] and s.get("decode_seqs", 0) == 0

@@ -39,6 +39,21 @@ def runs_of(step_log: Path) -> list[list[dict]]:
     return [s for s in segments if len(s) >= MIN_STEPS]
 
 
+def runs_with_profiles(sweep: Path, label: str) -> list[tuple[float, list[dict], Path]]:
+    """(rate, the run's step-log records, the profile taken before it) for each run of `label`
+    in the sweep, rates ascending."""
+    log = sweep / f"{label}.steps.jsonl"
+    profiles = {
+        float(p.name.removeprefix(f"{label}.rate-").removesuffix(".profile.json")): p
+        for p in sweep.glob(f"{label}.rate-*.profile.json")
+    }
+    runs = runs_of(log)
+    if len(runs) != len(profiles):
+        raise SystemExit(f"{log}: {len(runs)} runs in the step log, {len(profiles)} profiles")
+    rates = sorted(profiles)
+    return [(rate, steps, profiles[rate]) for rate, steps in zip(rates, runs, strict=True)]
+
+
 def is_full_decode(step: dict, total_units: int) -> bool:
     rows = step.get("decode_seqs", step["batch_size"])
     return (
@@ -59,18 +74,10 @@ def main() -> None:
     print("| config | rate | served ms (steps) | profile before ms | served / profile |")
     print("|---|---:|---:|---:|---:|")
     for label in args.labels.split(","):
-        log = args.sweep / f"{label}.steps.jsonl"
-        if not log.exists():
+        if not (args.sweep / f"{label}.steps.jsonl").exists():
             continue
-        profiles = {
-            float(p.name.removeprefix(f"{label}.rate-").removesuffix(".profile.json")): p
-            for p in args.sweep.glob(f"{label}.rate-*.profile.json")
-        }
-        runs = runs_of(log)
-        if len(runs) != len(profiles):
-            raise SystemExit(f"{log}: {len(runs)} runs in the step log, {len(profiles)} profiles")
-        for rate, steps in zip(sorted(profiles), runs, strict=True):
-            hw = HardwareProfile.load(profiles[rate])
+        for rate, steps, profile in runs_with_profiles(args.sweep, label):
+            hw = HardwareProfile.load(profile)
             served = [s["measured_s"] * 1e3 for s in steps if is_full_decode(s, hw.units)]
             es = ExecutionState(decode_ctx=(150,) * 12, decode_units=hw.units)
             predicted = PerfModel(cfg, hw, "bfloat16").predict(es).decode_s * 1e3
