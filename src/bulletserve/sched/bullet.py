@@ -28,7 +28,7 @@ SPLIT_RULES = {
     "static": "--partition static:P/D",
     "no-prefill": "nothing to prefill: decode gets every unit",
     "no-decode": "nothing to decode: prefill gets every unit",
-    "cpu-decode-waits": "CPU, TPOT holds: decode waits out a full-CPU prefill step",
+    "cpu-tpot-holds": "CPU, P90 TPOT holds: a prefill takes every thread",
     "cpu-turns": "CPU, co-running does not pay: the lanes take turns, prefill first",
     "at-risk-first": "an at-risk prefill takes the device; decode waits within one TPOT",
     "balance": "TTFT and TPOT both missing: half the units each",
@@ -295,19 +295,22 @@ class BulletPolicy:
         # On a GPU the lanes gain from running together, so only an at-risk prefill pauses
         # decode, and only when decode can wait out the step within one TPOT. On a CPU a lane
         # has at most a few threads to give, and a prefill on fewer of them costs TTFT: while
-        # TPOT holds and decode can wait out a full-CPU prefill step within one TPOT, the
-        # prefill takes every thread (the CPU sweeps' misses were all TTFT, with P90 TPOT at
-        # half its SLO: bench-cpu-26). Co-running can also be zero-sum or worse (one thread of
-        # two running a prefill at half speed, a 50-row decode on the other at 180 ms against
-        # 76 ms on both: bench-cpu-22): where the profile predicts that the two steps one
-        # after the other on every thread take no longer than side by side, the lanes take
-        # turns on the whole CPU, prefill first, whatever TPOT does. (Letting decode go first
+        # P90 TPOT holds, the prefill takes every thread (the CPU sweeps' misses were all TTFT,
+        # with P90 TPOT at half its SLO: bench-cpu-26). The TPOT SLO bounds a request's mean
+        # time per output token, so one longer gap costs a request of a hundred tokens little;
+        # requiring that decode wait out the prefill within one TPOT left a sixth of the
+        # prefills beside a decode step on one thread, no faster as a pair (bench-cpu-31).
+        # Once TPOT misses, co-running can be zero-sum or worse too (one thread of two running
+        # a prefill at half speed, a 50-row decode on the other at 180 ms against 76 ms on
+        # both: bench-cpu-22): where the profile predicts that the two steps one after the
+        # other on every thread take no longer than side by side, the lanes take turns on the
+        # whole CPU, prefill first, and only a pair that pays runs. (Letting decode go first
         # while TPOT missed and TTFT held did not pay: bullet then lost to prefill-first under
         # overload, 0.55 against 0.73 at 5.5 req/s in bench-cpu-27, 0.41 against 0.74 at 4
         # in bench-cpu-28, with more TPOT misses, not fewer.)
         if self.perf.hw.kind == "cpu":
-            if tpot_ok and self._decode_can_pause(lens, decode_ctx, layers):
-                return Split(total, 0, "cpu-decode-waits")
+            if tpot_ok:
+                return Split(total, 0, "cpu-tpot-holds")
             remaining = self.num_layers - (step.layer_start if step else 0)
             if not self._co_running_pays(
                 snap.now, prefill_batch, lens, decode_ctx, layers, remaining
