@@ -33,6 +33,8 @@ def _profile() -> HardwareProfile:
             decode_bandwidth_corun=((1.0, 2e10),),
             unit_sweep=(UnitPoint(1, 1e11, 2e10), UnitPoint(2, 2e11, 3e10)),
             sampling_s_per_logit=((1.0, 3e-9), (2.0, 1.5e-9)),
+            host_s_per_step=1.2e-3,
+            host_s_per_row=4e-5,
         ),
         sources=("measured here",),
     )
@@ -43,6 +45,15 @@ def test_round_trip(tmp_path):
     path = tmp_path / "p.json"
     prof.save(path)
     assert HardwareProfile.load(path) == prof
+
+
+def test_a_profile_without_host_terms_has_none(tmp_path):
+    raw = _profile().to_dict()
+    del raw["calibration"]["host_s_per_step"], raw["calibration"]["host_s_per_row"]
+    path = tmp_path / "older.json"
+    path.write_text(json.dumps(raw))
+    calibration = HardwareProfile.load(path).calibration
+    assert calibration.host_s_per_step == calibration.host_s_per_row == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_FILES))
@@ -70,6 +81,8 @@ def test_hopper_splits_in_eights():
         (lambda d: d["calibration"]["alpha"].update(warmup={"1": [[1, 1]]}), "alpha.warmup"),
         (lambda d: d["calibration"]["unit_sweep"][0].pop("bandwidth"), "unit_sweep[0].bandwidth"),
         (lambda d: d["calibration"].update(sampling_s_per_logit=[[1, 0]]), "sampling_s_per_logit"),
+        (lambda d: d["calibration"].update(host_s_per_row=-1e-4), "calibration.host_s_per_row"),
+        (lambda d: d["calibration"].update(host_s_per_step="1 ms"), "calibration.host_s_per_step"),
     ],
 )
 def test_malformed_profile_names_the_field(tmp_path, edit, field):

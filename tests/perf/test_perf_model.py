@@ -115,6 +115,18 @@ def test_a_step_that_reaches_the_lm_head_pays_the_sampler_for_each_row():
     assert model.predict(first).prefill_s == bare.predict(first).prefill_s
 
 
+def test_host_time_is_per_step_and_per_row_and_not_in_the_step_prediction():
+    cal = Calibration(host_s_per_step=1e-3, host_s_per_row=5e-5)
+    model = PerfModel(LLAMA, dataclasses.replace(UNCALIBRATED, calibration=cal))
+    bare = PerfModel(LLAMA, UNCALIBRATED)
+    assert model.host_s(0) == pytest.approx(1e-3)
+    assert model.host_s(16) == pytest.approx(1e-3 + 16 * 5e-5)
+    assert bare.host_s(16) == 0.0
+    # The engine times the model alone, and the online correction compares with that.
+    decode = ExecutionState(decode_ctx=(500,) * 16, decode_units=132)
+    assert model.predict(decode) == bare.predict(decode)
+
+
 def test_online_correction_tracks_drift():
     model = PerfModel(LLAMA, H100, correction_weight=0.2)
     es = ExecutionState(prefill_lens=(2048,), prefill_units=64)

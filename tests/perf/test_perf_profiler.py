@@ -11,9 +11,9 @@ from bulletserve.cli import main
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads, GreenContextSMs, UnitsUnavailableError
-from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.perf.hardware import Calibration, HardwareProfile
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.profiler import PLANS, profile_device, unit_counts
+from bulletserve.perf.profiler import PLANS, fit_line, profile_device, unit_counts
 from bulletserve.perf.state import ExecutionState
 
 TINY_PLAN = dataclasses.replace(
@@ -132,3 +132,61 @@ def test_every_plan_times_co_running_prefills_as_short_as_its_shortest_prompt():
         assert min(plan.corun_prefill_lens) <= min(plan.prefill_lens), name
         co_running = [es for es in plan_states(plan, [1, 2], 2) if es.has_decode and es.has_prefill]
         assert min(es.prefill_tokens for es in co_running) == min(plan.prefill_lens), name
+
+
+def test_fit_line_through_points():
+    assert fit_line([(1, 3.0), (3, 7.0)]) == pytest.approx((2.0, 1.0))
+    assert fit_line([(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.3)]) == pytest.approx((1.09, -0.06))
+    with pytest.raises(ValueError, match="two different x"):
+        fit_line([(4, 1.0), (4, 2.0)])
+
+
+def test_host_cost_is_measured_on_a_real_engine():
+    """The engine's time outside the runner, per decode step of each plan batch size, less the
+    profile's sampler: host terms that are never negative, and an engine left as it was."""
+    from bulletserve.engine.config import EngineConfig
+    from bulletserve.engine.engine import LLMEngine
+    from bulletserve.perf.measure.host import PROMPT_TOKENS, outside_runner_s
+    from bulletserve.perf.profiler import profile_host
+
+    plan = dataclasses.replace(TINY_PLAN, decode_batches=(1, 4), host_tokens=8)
+    source = resolve_model("tiny", "dummy")
+    model = load_model(source, torch.float32, torch.device("cpu"), 128)
+    config = EngineConfig(
+        model="tiny",
+        load_format="dummy",
+        dtype="float32",
+        device="cpu",
+        policy="prefill-first",
+        max_num_seqs=4,
+        max_model_len=PROMPT_TOKENS + plan.host_tokens + 16,
+    )
+    engine = LLMEngine(config, model=model)
+    assert engine.model is model
+    units = CpuThreads()
+    points = outside_runner_s(engine, plan.decode_batches, plan.host_tokens, units.synchronize)
+    assert [rows for rows, _ in points] == [1, 4]
+    assert all(0 < seconds < 1 for _, seconds in points)
+    assert "execute" not in vars(engine.runner) and not engine.has_unfinished()
+    assert engine.pool.allocator.num_free == engine.pool.allocator.num_blocks
+    hw = HardwareProfile(
+        name="test-cpu",
+        kind="cpu",
+        measured=True,
+        units=units.total,
+        unit_granularity=1,
+        min_units=1,
+        peak_flops={"float32": 1e11},
+        peak_bandwidth=1e10,
+        bandwidth_saturation_units=1,
+        step_overhead_s=0.0,
+        calibration=Calibration(sampling_s_per_logit=((float(units.total), 1e-9),)),
+    )
+    with torch.inference_mode():
+        measured = profile_host(hw, engine, units, plan, lambda line: None)
+    cal = measured.calibration
+    assert cal.host_s_per_step >= 0 and cal.host_s_per_row >= 0
+    assert cal.host_s_per_step + cal.host_s_per_row > 0
+    assert cal.sampling_s_per_logit == hw.calibration.sampling_s_per_logit
+    with pytest.raises(ValueError, match="output tokens"):
+        outside_runner_s(engine, (1, 2), 3, units.synchronize)

@@ -65,11 +65,13 @@ def summary(hw, samples) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bulletserve.engine.engine import resolve_device
+    from bulletserve.engine.config import EngineConfig
+    from bulletserve.engine.engine import LLMEngine, resolve_device
     from bulletserve.model.loader import load_model, resolve_dtype
     from bulletserve.model.source import ModelNotFoundError, resolve_model
     from bulletserve.partition import UnitsUnavailableError, unit_provider
-    from bulletserve.perf.profiler import PLANS, profile_device
+    from bulletserve.perf.measure.host import PROMPT_TOKENS as HOST_PROMPT_TOKENS
+    from bulletserve.perf.profiler import PLANS, profile_device, profile_host
 
     plan = PLANS["quick" if args.quick else "default"]
     started = time.perf_counter()
@@ -87,9 +89,27 @@ def run(args: argparse.Namespace) -> int:
         f"profiling {name} with {source.name} ({dtype}), {'quick' if args.quick else 'full'} sweep",
         file=sys.stderr,
     )
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr)
+
     with torch.inference_mode():
-        run = profile_device(model, units, plan, name, lambda s: print(s, file=sys.stderr))
+        run = profile_device(model, units, plan, name, log)
         hw, samples = run.hw, run.samples
+        engine = LLMEngine(
+            EngineConfig(
+                model=args.model,
+                load_format=args.load_format,
+                dtype=args.dtype,
+                device=args.device,
+                seed=args.seed,
+                policy="prefill-first",
+                max_num_seqs=max(plan.decode_batches),
+                max_model_len=HOST_PROMPT_TOKENS + plan.host_tokens + 16,
+            ),
+            model=model,
+        )
+        hw = profile_host(hw, engine, units, plan, log)
     hw.save(args.output)
     print(summary(hw, samples))
     print(f"wrote {args.output} in {time.perf_counter() - started:.0f} s")

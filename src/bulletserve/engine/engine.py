@@ -27,6 +27,7 @@ from bulletserve.engine.runner import ModelRunner, SeqWork
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.kv.pool import KVPool
+from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import load_config, load_model, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
@@ -48,7 +49,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: DecoderLM | None = None) -> None:
+        """`model`: weights already loaded from `config.model` (as `bullet profile` has them),
+        used instead of loading them again."""
         self.config = config
         self.device = resolve_device(config.device)
         if config.cuda_graphs and self.device.type != "cuda":
@@ -61,7 +64,7 @@ class LLMEngine:
         self.max_model_len = (
             config.max_model_len or load_config(self.source).max_position_embeddings
         )
-        self.model = load_model(
+        self.model = model or load_model(
             self.source, self.dtype, self.device, self.max_model_len, seed=config.seed
         )
         self.model_config = self.model.config

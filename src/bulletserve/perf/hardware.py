@@ -10,7 +10,10 @@ step's cost depends on its context as well as its batch. A co-running phase's al
 at one load of the other lane; `corun_load` scales it by the other lane's load:
 `{"prefill": {"<units>": [[other lane's rows, factor], ...]}, "decode": {...}}`.
 `sampling_s_per_logit` is the engine's sampler cost, `[[units, seconds per row per vocabulary
-entry], ...]`: a step that ends in logits pays it for each of its rows.
+entry], ...]`: a step that ends in logits pays it for each of its rows. `host_s_per_step` and
+`host_s_per_row` are the engine's own time around a step, outside the model and the sampler
+(scheduling, detokenizing, handing outputs over): a step costs `host_s_per_step` plus
+`host_s_per_row` for each sequence it samples.
 """
 
 from __future__ import annotations
@@ -52,13 +55,16 @@ class Calibration:
     """alpha[phase][units] = sorted (tokens, alpha) points; corun_load[phase][units] = sorted
     (other lane's rows, factor on the co-running alpha) points; contention-adjusted decode
     bandwidth as (decode units, bytes/s) points; the unit sweep the profile was built from;
-    the sampler's seconds per logit (row x vocabulary entry) as (units, seconds) points."""
+    the sampler's seconds per logit (row x vocabulary entry) as (units, seconds) points; the
+    engine's host seconds per step and per sampled row (0: not measured)."""
 
     alpha: dict[str, dict[int, Points]] = field(default_factory=dict)
     corun_load: dict[str, dict[int, Points]] = field(default_factory=dict)
     decode_bandwidth_corun: Points = ()
     unit_sweep: tuple[UnitPoint, ...] = ()
     sampling_s_per_logit: Points = ()
+    host_s_per_step: float = 0.0
+    host_s_per_row: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,8 @@ class HardwareProfile:
             "decode_bandwidth_corun": [list(p) for p in self.calibration.decode_bandwidth_corun],
             "unit_sweep": [asdict(p) for p in self.calibration.unit_sweep],
             "sampling_s_per_logit": [list(p) for p in self.calibration.sampling_s_per_logit],
+            "host_s_per_step": self.calibration.host_s_per_step,
+            "host_s_per_row": self.calibration.host_s_per_row,
         }
         out["sources"] = list(self.sources)
         return out
@@ -260,12 +268,15 @@ def _calibration(raw: dict[str, Any]) -> Calibration:
         )
     sampling_raw = raw.get("sampling_s_per_logit", [])
     sampling = _points(sampling_raw, "calibration.sampling_s_per_logit") if sampling_raw else ()
+    host = _Fields(raw, "calibration")
     return Calibration(
         alpha=alpha,
         corun_load=corun_load,
         decode_bandwidth_corun=bw,
         unit_sweep=tuple(sweep),
         sampling_s_per_logit=sampling,
+        host_s_per_step=host.non_negative("host_s_per_step") if "host_s_per_step" in raw else 0.0,
+        host_s_per_row=host.non_negative("host_s_per_row") if "host_s_per_row" in raw else 0.0,
     )
 
 

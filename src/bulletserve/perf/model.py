@@ -247,6 +247,13 @@ class PerfModel:
             rows, units = (len(es.prefill_lens) if last else 0), es.prefill_units
         return rows * self._sampling_per_row(units) if rows else 0.0
 
+    def host_s(self, rows: int) -> float:
+        """The engine's own time around a step that samples `rows` sequences, outside the model
+        and the sampler (the profile's measured host cost; 0 where it has none). Not part of
+        `predict`: the engine's step log and the online correction time the model alone."""
+        cal = self.hw.calibration
+        return cal.host_s_per_step + cal.host_s_per_row * rows
+
     def predict(self, es: ExecutionState) -> StepPrediction:
         """Prefill and decode step times of `es` in seconds (0 for an idle lane)."""
         corun = es.has_prefill and es.has_decode

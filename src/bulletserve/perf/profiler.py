@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
+from bulletserve.engine.engine import LLMEngine
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.partition import CpuThreads, GreenContextSMs
 from bulletserve.perf.fit import StepSample, calibrate, saturation_units
 from bulletserve.perf.hardware import HardwareProfile, UnitPoint
+from bulletserve.perf.measure.host import outside_runner_s
 from bulletserve.perf.measure.micro import bandwidth, bandwidth_corun, gemm_rate, sampling_cost
 from bulletserve.perf.measure.steps import StepBench
 from bulletserve.perf.state import ExecutionState
@@ -19,6 +21,7 @@ from bulletserve.perf.state import ExecutionState
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 SAMPLING_ROWS = 64  # rows of logits the sampler's cost is measured on
+SAMPLING_REPEATS = 9  # calls the sampler's median cost is taken over (64 rows: ~6 ms a call)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class SweepPlan:
     corun_decode_batches: tuple[int, ...]  # each against the middle prefill length
     repeats: int
     max_unit_counts: int  # at most this many unit counts are swept (evenly spread)
+    host_tokens: int  # tokens decoded at each of decode_batches to time the engine's host work
 
     @property
     def max_tokens(self) -> int:
@@ -57,6 +61,7 @@ PLANS = {
         corun_decode_batches=(1, 4, 16, 64),
         repeats=3,
         max_unit_counts=6,
+        host_tokens=32,
     ),
     "quick": SweepPlan(
         gemm_n=1024,
@@ -69,6 +74,7 @@ PLANS = {
         corun_decode_batches=(1, 8, 32),
         repeats=2,
         max_unit_counts=3,
+        host_tokens=16,
     ),
 }
 
@@ -199,7 +205,10 @@ def profile_device(
     # The step sweeps time the model only; the engine samples every row that reaches the LM
     # head as well (on the CPU, 12 ms for 160 rows of a 49K vocabulary on two threads).
     sampling = tuple(
-        (float(c), sampling_cost(units, model.config.vocab_size, SAMPLING_ROWS, c, plan.repeats))
+        (
+            float(c),
+            sampling_cost(units, model.config.vocab_size, SAMPLING_ROWS, c, SAMPLING_REPEATS),
+        )
         for c in counts
     )
     log("sampler per logit: " + ", ".join(f"{c:.0f} units {s * 1e9:.2f} ns" for c, s in sampling))
@@ -208,3 +217,43 @@ def profile_device(
         hw, calibration=dataclasses.replace(hw.calibration, sampling_s_per_logit=sampling)
     )
     return ProfileRun(hw, samples, measured[fitted:])
+
+
+def profile_host(
+    hw: HardwareProfile,
+    engine: LLMEngine,
+    units: CpuThreads | GreenContextSMs,
+    plan: SweepPlan,
+    log: Callable[[str], None],
+) -> HardwareProfile:
+    """`hw` with the engine's host time per step: a decode step's time outside the model runner
+    on `engine`, at the plan's decode batch sizes on every unit, less what `hw`'s sampler costs
+    predict for it, fitted as a cost per step plus one per row. The sampler's own cost keeps its
+    dependence on the units a lane has; the host terms take whatever it misses at these rows."""
+    points = outside_runner_s(engine, plan.decode_batches, plan.host_tokens, units.synchronize)
+    per_logit = dict(hw.calibration.sampling_s_per_logit).get(float(hw.units), 0.0)
+    vocab = engine.model_config.vocab_size
+    host = [(rows, seconds - rows * vocab * per_logit) for rows, seconds in points]
+    per_row, per_step = fit_line(host)
+    log(
+        "engine time outside the runner per decode step: "
+        + ", ".join(f"{rows} rows {s * 1e3:.2f} ms" for rows, s in points)
+        + f"; host beyond the sampler {max(per_step, 0) * 1e3:.2f} ms"
+        + f" + {max(per_row, 0) * 1e3:.3f} ms a row"
+    )
+    calibration = dataclasses.replace(
+        hw.calibration, host_s_per_step=max(per_step, 0.0), host_s_per_row=max(per_row, 0.0)
+    )
+    return dataclasses.replace(hw, calibration=calibration)
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) through (x, y) points at two or more distinct x."""
+    xs = [float(x) for x, _ in points]
+    ys = [float(y) for _, y in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    if spread == 0:
+        raise ValueError("a line needs points at two different x")
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+    return slope, mean_y - slope * mean_x

@@ -50,6 +50,7 @@ class LaneStep:
     work_left: float = 1.0
     since: float = 0.0
     duration: float = 0.0
+    host_s: float = 0.0  # the engine's host time in the step, which contention does not stretch
     busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
 
     @property
@@ -207,6 +208,8 @@ class LanedSimulator:
     def _start(self, lane: str, step: LaneStep) -> None:
         step.since = step.started
         step.lengths = tuple(r.num_tokens for r in step.requests)
+        samples = lane == "decode" or step.layers[1] == self.num_layers
+        step.host_s = self.perf.host_s(len(step.requests) if samples else 0)
         self.steps[lane] = step
         self._rerate(step.started)
 
@@ -224,7 +227,7 @@ class LanedSimulator:
                 step.busy_s += ran / step.noise
             step.since = now
             predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
-            step.duration = predicted * step.noise
+            step.duration = predicted * step.noise + step.host_s
 
     def _execution_state(self) -> ExecutionState:
         prefill, decode = self.steps["prefill"], self.steps["decode"]

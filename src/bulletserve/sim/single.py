@@ -67,7 +67,9 @@ def run_single_lane(
         prediction = perf.predict(es)
         predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
         measured = predicted * noise.factor()
-        now += measured
+        sampled = sum(r.num_computed_tokens + num == r.num_tokens for r, num in batch)
+        # Tokens reach their stream after the engine's host work around the step.
+        now += measured + perf.host_s(sampled)
         for request, num in batch:
             request.num_computed_tokens += num
             if request.num_computed_tokens == request.num_tokens:
