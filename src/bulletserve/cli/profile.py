@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             model=model,
         )
         hw = profile_host(hw, engine, units, plan, log)
+        engine.close()
     hw.save(args.output)
     print(summary(hw, samples))
     print(f"wrote {args.output} in {time.perf_counter() - started:.0f} s")

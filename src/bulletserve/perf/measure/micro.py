@@ -75,7 +75,7 @@ def sampling_cost(
 ) -> float:
     """Seconds per logit (row x vocabulary entry) of the engine's sampler on `count` units, at
     temperature 1 (what a request that sets none gets), over `rows` rows of float32 logits: the
-    median call (the fastest of 3 was half what the engine's sampler took at 24 rows)."""
+    median call, since the engine pays the typical call at every step."""
     logits = torch.randn(rows, vocab, device=units.device)
     requests = [
         Request(f"sample-{i}", None, [0], SamplingParams(temperature=1.0), RequestTimings(0.0))
