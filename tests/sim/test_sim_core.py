@@ -54,44 +54,24 @@ def test_same_seed_same_result_other_seed_differs(policy, chunk):
     assert first["simulated"] is True and first["hardware"] == "A100-80GB-SXM"
 
 
+@pytest.mark.parametrize("host_terms", [None, (2e-3, 5e-4)])
 @pytest.mark.parametrize(("policy", "chunk"), POLICIES)
-def test_single_request_without_noise_matches_the_model(policy, chunk):
+def test_single_request_without_noise_matches_the_model(policy, chunk, host_terms, tmp_path):
+    """A lone request's TTFT and TPOT are the model's step predictions; with host terms in the
+    profile, each step (one sampled row) is followed by the engine's host time."""
     prompt, output = 400, 6
+    hardware, host = "a100-80g", 0.0
+    if host_terms:
+        hw = load_hardware(hardware)
+        cal = dataclasses.replace(
+            hw.calibration, host_s_per_step=host_terms[0], host_s_per_row=host_terms[1]
+        )
+        hardware, host = str(tmp_path / "a100-host.json"), sum(host_terms)
+        dataclasses.replace(hw, calibration=cal).save(hardware)
     config = _config(
         policy,
         chunk,
-        dataset="random",
-        num_prompts=1,
-        request_rates=(float("inf"),),
-        random_lengths=RandomLengths(prompt, output),
-        noise=0.0,
-    )
-    record = simulate(config).runs[0].requests[0]
-    perf = setup(config).perf
-    units = perf.hw.units
-    ttft = perf.predict(ExecutionState(prefill_lens=(prompt,), prefill_units=units)).prefill_s
-    decode = [
-        perf.predict(ExecutionState(decode_ctx=(prompt + k,), decode_units=units)).decode_s
-        for k in range(1, output)
-    ]
-    assert record.success and record.output_len == output
-    assert record.ttft_s == pytest.approx(ttft, rel=1e-9)
-    assert record.e2el_s - record.ttft_s == pytest.approx(sum(decode), rel=1e-9)
-
-
-@pytest.mark.parametrize(("policy", "chunk"), POLICIES)
-def test_the_profiles_host_time_follows_every_step(policy, chunk, tmp_path):
-    """With host terms in the profile, each step of a lone request (one sampled row) is
-    followed by the engine's host time: after the prefill, and after every decode step."""
-    prompt, output = 400, 6
-    hw = load_hardware("a100-80g")
-    cal = dataclasses.replace(hw.calibration, host_s_per_step=2e-3, host_s_per_row=5e-4)
-    path = tmp_path / "a100-host.json"
-    dataclasses.replace(hw, calibration=cal).save(path)
-    config = _config(
-        policy,
-        chunk,
-        hardware=str(path),
+        hardware=hardware,
         device_memory_gib=80.0,
         dataset="random",
         num_prompts=1,
@@ -102,13 +82,13 @@ def test_the_profiles_host_time_follows_every_step(policy, chunk, tmp_path):
     record = simulate(config).runs[0].requests[0]
     perf = setup(config).perf
     units = perf.hw.units
-    host = 2e-3 + 5e-4
     assert perf.host_s(1) == pytest.approx(host)
     ttft = perf.predict(ExecutionState(prefill_lens=(prompt,), prefill_units=units)).prefill_s
     decode = [
         perf.predict(ExecutionState(decode_ctx=(prompt + k,), decode_units=units)).decode_s
         for k in range(1, output)
     ]
+    assert record.success and record.output_len == output
     assert record.ttft_s == pytest.approx(ttft + host, rel=1e-9)
     assert record.e2el_s - record.ttft_s == pytest.approx(sum(decode) + len(decode) * host)
 
