@@ -13,7 +13,7 @@ from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads, GreenContextSMs, UnitsUnavailableError
 from bulletserve.perf.hardware import Calibration, HardwareProfile
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.profiler import PLANS, fit_line, profile_device, unit_counts
+from bulletserve.perf.profiler import PLANS, profile_device, unit_counts
 from bulletserve.perf.state import ExecutionState
 
 TINY_PLAN = dataclasses.replace(
@@ -132,13 +132,6 @@ def test_every_plan_times_co_running_prefills_as_short_as_its_shortest_prompt():
         assert min(plan.corun_prefill_lens) <= min(plan.prefill_lens), name
         co_running = [es for es in plan_states(plan, [1, 2], 2) if es.has_decode and es.has_prefill]
         assert min(es.prefill_tokens for es in co_running) == min(plan.prefill_lens), name
-
-
-def test_fit_line_through_points():
-    assert fit_line([(1, 3.0), (3, 7.0)]) == pytest.approx((2.0, 1.0))
-    assert fit_line([(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.3)]) == pytest.approx((1.09, -0.06))
-    with pytest.raises(ValueError, match="two different x"):
-        fit_line([(4, 1.0), (4, 2.0)])
 
 
 def test_host_cost_is_measured_on_a_real_engine():

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from bulletserve.engine.engine import LLMEngine
@@ -233,11 +234,12 @@ def profile_host(
     points = outside_runner_s(engine, plan.decode_batches, plan.host_tokens, units.synchronize)
     per_logit = dict(hw.calibration.sampling_s_per_logit).get(float(hw.units), 0.0)
     vocab = engine.model_config.vocab_size
-    host = [(rows, seconds - rows * vocab * per_logit) for rows, seconds in points]
-    per_row, per_step = fit_line(host)
+    rows = [r for r, _ in points]
+    host = [seconds - r * vocab * per_logit for r, seconds in points]
+    per_row, per_step = (float(c) for c in np.polyfit(rows, host, 1))
     log(
         "engine time outside the runner per decode step: "
-        + ", ".join(f"{rows} rows {s * 1e3:.2f} ms" for rows, s in points)
+        + ", ".join(f"{r} rows {s * 1e3:.2f} ms" for r, s in points)
         + f"; host beyond the sampler {max(per_step, 0) * 1e3:.2f} ms"
         + f" + {max(per_row, 0) * 1e3:.3f} ms a row"
     )
@@ -245,15 +247,3 @@ def profile_host(
         hw.calibration, host_s_per_step=max(per_step, 0.0), host_s_per_row=max(per_row, 0.0)
     )
     return dataclasses.replace(hw, calibration=calibration)
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (slope, intercept) through (x, y) points at two or more distinct x."""
-    xs = [float(x) for x, _ in points]
-    ys = [float(y) for _, y in points]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    if spread == 0:
-        raise ValueError("a line needs points at two different x")
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
-    return slope, mean_y - slope * mean_x
