@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     from bulletserve.engine.config import EngineConfig
     from bulletserve.engine.engine import LLMEngine, resolve_device
+    from bulletserve.model.gguf_reader import GGUFError
     from bulletserve.model.loader import load_model, resolve_dtype
     from bulletserve.model.source import ModelNotFoundError, resolve_model
     from bulletserve.partition import UnitsUnavailableError, unit_provider
@@ -82,20 +83,8 @@ def run(args: argparse.Namespace) -> int:
         source = resolve_model(args.model, args.load_format)
         max_positions = max(plan.prefill_lens + plan.corun_prefill_lens + plan.decode_contexts)
         model = load_model(source, dtype, device, max_positions, seed=args.seed)
-    except (ModelNotFoundError, UnitsUnavailableError, ValueError) as exc:
-        raise CLIError(str(exc)) from None
-    name = args.name or _device_name(device)
-    print(
-        f"profiling {name} with {source.name} ({dtype}), {'quick' if args.quick else 'full'} sweep",
-        file=sys.stderr,
-    )
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr)
-
-    with torch.inference_mode():
-        run = profile_device(model, units, plan, name, log)
-        hw, samples = run.hw, run.samples
+        # The engine whose host time per step the profile measures last, built first so that
+        # a model it cannot serve (no tokenizer, say) fails before the sweeps, not after.
         engine = LLMEngine(
             EngineConfig(
                 model=args.model,
@@ -109,6 +98,20 @@ def run(args: argparse.Namespace) -> int:
             ),
             model=model,
         )
+    except (ModelNotFoundError, GGUFError, UnitsUnavailableError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    name = args.name or _device_name(device)
+    print(
+        f"profiling {name} with {source.name} ({dtype}), {'quick' if args.quick else 'full'} sweep",
+        file=sys.stderr,
+    )
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    with torch.inference_mode():
+        run = profile_device(model, units, plan, name, log)
+        hw, samples = run.hw, run.samples
         hw = profile_host(hw, engine, units, plan, log)
         engine.close()
     hw.save(args.output)
