@@ -284,12 +284,6 @@ class BulletPolicy:
             return Split(total, 0, "no-decode")
         if self.partition == "static":
             return self.static_split
-        decode_ctx = tuple(s.num_tokens for s in snap.decoding)
-        lens = tuple(s.num_remaining for s in prefill_batch)
-        layers = (step.layer_end - step.layer_start) if step else self.num_layers
-        if step is not None and step.layer_end >= self.num_layers:
-            # The batch joins decode after this step: size decode for the batch it will have.
-            decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
         # On a GPU the lanes gain from running together, so only an at-risk prefill pauses
@@ -308,9 +302,16 @@ class BulletPolicy:
         # while TPOT missed and TTFT held did not pay: bullet then lost to prefill-first under
         # overload, 0.55 against 0.73 at 5.5 req/s in bench-cpu-27, 0.41 against 0.74 at 4
         # in bench-cpu-28, with more TPOT misses, not fewer.)
-        if self.perf.hw.kind == "cpu":
-            if tpot_ok:
-                return Split(total, 0, "cpu-tpot-holds")
+        cpu = self.perf.hw.kind == "cpu"
+        if cpu and tpot_ok:
+            return Split(total, 0, "cpu-tpot-holds")
+        decode_ctx = tuple(s.num_tokens for s in snap.decoding)
+        lens = tuple(s.num_remaining for s in prefill_batch)
+        layers = (step.layer_end - step.layer_start) if step else self.num_layers
+        if step is not None and step.layer_end >= self.num_layers:
+            # The batch joins decode after this step: size decode for the batch it will have.
+            decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
+        if cpu:
             remaining = self.num_layers - (step.layer_start if step else 0)
             if not self._co_running_pays(
                 snap.now, prefill_batch, lens, decode_ctx, layers, remaining
