@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -176,9 +178,18 @@ def test_a_fault_mid_stream_ends_the_stream_with_an_error_event():
 
 def test_beyond_max_waiting_requests_is_429():
     engine = tiny_engine(max_num_seqs=1)
+    real_execute = engine.engine.runner.execute
+
+    def slowed(works):
+        # At this model's full speed the running request could end (at its context length)
+        # between the check below and the third request, letting the queued one in.
+        time.sleep(0.01)
+        return real_execute(works)
+
+    engine.engine.runner.execute = slowed
     try:
         with running_app(engine, max_waiting_requests=1) as url:
-            # One request runs (about 2 s on this model), the next one waits behind it.
+            # One request runs (seconds, slowed), the next one waits behind it.
             long = {"prompt": "hello", "max_tokens": 2000, "stream": True, "ignore_eos": True}
             with (
                 httpx.Client(trust_env=False, timeout=30) as client,
