@@ -181,25 +181,26 @@ def test_beyond_max_waiting_requests_is_429():
     real_execute = engine.engine.runner.execute
 
     def slowed(works):
-        # At this model's full speed the running request could end (at its context length)
-        # between the check below and the third request, letting the queued one in.
+        # Seconds for the running request, so it cannot end (at its context length) and let
+        # the queued one in before the third request arrives.
         time.sleep(0.01)
         return real_execute(works)
 
     engine.engine.runner.execute = slowed
     try:
         with running_app(engine, max_waiting_requests=1) as url:
-            # One request runs (seconds, slowed), the next one waits behind it.
             long = {"prompt": "hello", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-            with (
-                httpx.Client(trust_env=False, timeout=30) as client,
-                client.stream("POST", url + "/v1/completions", json=long) as running,
-                client.stream("POST", url + "/v1/completions", json=long) as queued,
-            ):
-                assert running.status_code == queued.status_code == 200
-                assert wait_until(lambda: engine.num_streams == 2, timeout_s=5)
-                error = error_of(post(url, "/v1/completions", json=long), 429)
-                assert "--max-waiting-requests 1" in error["message"]
+            with httpx.Client(trust_env=False, timeout=30) as client:
+                # One request runs; only once it does, the next one comes and waits behind it
+                # (sent together, the second could find the first not yet admitted: waiting).
+                with client.stream("POST", url + "/v1/completions", json=long) as running:
+                    assert running.status_code == 200
+                    assert wait_until(lambda: len(engine.engine.running) == 1, timeout_s=5)
+                    with client.stream("POST", url + "/v1/completions", json=long) as queued:
+                        assert queued.status_code == 200
+                        assert wait_until(lambda: engine.num_streams == 2, timeout_s=5)
+                        error = error_of(post(url, "/v1/completions", json=long), 429)
+                        assert "--max-waiting-requests 1" in error["message"]
             assert wait_until(lambda: engine.engine.pool.allocator.num_used == 0)
     finally:
         engine.shutdown()
