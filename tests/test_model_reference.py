@@ -38,7 +38,7 @@ def _all_logits(runner: ModelRunner, works: list[SeqWork]) -> torch.Tensor:
     hidden = model.run_layers(
         model.embed(batch.input_ids), batch.positions, runner.pool.layers, batch.meta
     )
-    return model.logits(hidden, torch.arange(hidden.shape[0]))
+    return model.logits(hidden, torch.arange(batch.meta.num_tokens))  # padding rows dropped
 
 
 @pytest.fixture(params=list(CASES))
@@ -124,3 +124,34 @@ def test_unsupported_architecture_and_missing_weights_are_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
         resolve_model(str(tmp_path))
+
+
+@torch.inference_mode()
+def test_padded_rows_change_no_logit_and_fill_no_cache_slot(pair):
+    """A CPU step in bf16 pads its rows (engine.runner.padded_rows); in fp32 it does not, so
+    here padding is turned on by hand: a step of a 37-token prompt beside three decodes (40
+    rows, computed as 48) gives the same logits as unpadded and writes only its 40 slots."""
+    _, runner = pair
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (37, 9, 14, 6)]
+    tables = [runner.pool.allocator.allocate(10) for _ in seqs]
+    runner.pool.kv.zero_()
+    cached = [
+        SeqWork(seq[:-1], 0, table, False) for seq, table in zip(seqs[1:], tables[1:], strict=True)
+    ]
+    runner.execute(cached)
+    step = [SeqWork(seqs[0], 0, tables[0], True)]
+    step += [
+        SeqWork(seq[-1:], len(seq) - 1, table, True)
+        for seq, table in zip(seqs[1:], tables[1:], strict=True)
+    ]
+    results = {}
+    for pad in (False, True):
+        runner.pad_rows = pad
+        assert runner.prepare(step).input_ids.shape[0] == (48 if pad else 40)
+        logits, order = runner.execute(step)
+        slots_written = int(runner.pool.layers[0][0].flatten(1).any(dim=1).sum())
+        results[pad] = logits, order, slots_written
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+    assert results[True][1] == results[False][1] == [0, 1, 2, 3]
+    assert results[True][2] == results[False][2] == sum(len(seq) for seq in seqs)

@@ -17,6 +17,13 @@ if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & se
     os.environ["OMP_WAIT_POLICY"] = "active"
     os.environ["GOMP_SPINCOUNT"] = "300000"
 
+# oneDNN builds (JIT-compiles) a GEMM kernel for every row count and thread count it meets and
+# keeps 1,024 of them; a CPU engine builds those of every padded row count up to
+# --cpu-warmup-rows at start (a two-lane one at each thread count a lane may use), more come as
+# longer steps arrive, and a full cache would evict the warmed ones. Read when the first
+# kernel is built, so this works after torch has loaded too.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

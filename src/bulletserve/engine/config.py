@@ -27,6 +27,7 @@ class EngineConfig:
     policy: str = "chunked"
     num_threads: int | None = None  # CPU intra-op threads; default: all usable cores
     cuda_graphs: bool = False  # replay pure-decode steps as CUDA graphs
+    cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # Bullet (--policy bullet) only:
     partition: str = "auto"  # auto | none | static:P/D
     slo_ttft_per_token_ms: float = 3.0
@@ -49,6 +50,8 @@ class EngineConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}"
                 )
+        if self.cpu_warmup_rows < 0:
+            raise ValueError(f"--cpu-warmup-rows must be >= 0, got {self.cpu_warmup_rows}")
         if not self.slo_ttft_base_ms >= 0:
             raise ValueError(f"--slo-ttft-base-ms must be >= 0, got {self.slo_ttft_base_ms}")
         if self.policy not in POLICIES:
@@ -103,6 +106,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", default="chunked", choices=POLICIES)
     group.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads (default: all usable cores)"
+    )
+    group.add_argument(
+        "--cpu-warmup-rows",
+        type=int,
+        default=256,
+        help="on a CPU in bf16 or fp16, build the GEMM kernels of steps of up to N rows "
+        "(above 32 rows padded to multiples of 16) at start, at every thread count a lane may "
+        "use, so that no request pays for building one (0: build each when first met)",
     )
     group.add_argument(
         "--cuda-graphs",

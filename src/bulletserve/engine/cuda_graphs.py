@@ -103,6 +103,7 @@ class PaddedDecode:
             slot_mapping=self.slot_mapping,
             prefills=[],
             num_prefill_tokens=0,
+            num_tokens=self.input_ids.shape[0],
             decode_slots=self.decode_slots,
             decode_mask=self.decode_mask,
         )

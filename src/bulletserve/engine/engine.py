@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -23,7 +24,12 @@ from bulletserve.engine.request import (
     RequestTimings,
     TokenLogprob,
 )
-from bulletserve.engine.runner import ModelRunner, SeqWork
+from bulletserve.engine.runner import (
+    ModelRunner,
+    SeqWork,
+    builds_gemm_kernels,
+    warm_cpu_gemms,
+)
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.kv.pool import KVPool
@@ -34,6 +40,8 @@ from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, 
 from bulletserve.partition import usable_cores
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot, SeqView, StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class PromptTooLongError(ValueError):
@@ -89,6 +97,8 @@ class LLMEngine:
             )
         self.sampler = Sampler(config.seed)
         self.policy = self._make_policy()
+        if builds_gemm_kernels(self.device, self.dtype) and config.cpu_warmup_rows:
+            self._warm_cpu_gemms()
         self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -105,6 +115,24 @@ class LLMEngine:
 
     def _make_policy(self) -> Policy:
         return make_policy(self.config.policy, self.config.chunk_size)
+
+    def _thread_counts(self) -> list[int]:
+        """The intra-op thread counts this engine's steps run on."""
+        return [torch.get_num_threads()]
+
+    def _warm_cpu_gemms(self) -> None:
+        config = self.config
+        started = time.perf_counter()
+        counts = self._thread_counts()
+        rows = min(config.cpu_warmup_rows, config.max_num_batched_tokens)
+        built = warm_cpu_gemms(self.model, rows, config.max_num_seqs, counts)
+        logger.info(
+            "built %d GEMM kernels (steps up to %d rows, on %s threads) in %.1f s",
+            built,
+            rows,
+            "/".join(map(str, counts)),
+            time.perf_counter() - started,
+        )
 
     # ---- called from any thread -------------------------------------------------------------
 

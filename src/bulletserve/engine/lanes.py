@@ -114,6 +114,17 @@ class LanedEngine(LLMEngine):
             static_split=static,
         )
 
+    def _thread_counts(self) -> list[int]:
+        """Every thread count a lane's step may run on (`_share`): the whole CPU, and under
+        `auto` any carved group, under `static:P/D` P and what P leaves."""
+        total = self.units.total
+        if self.policy.partition == "none":
+            return [total]
+        if self.policy.static_split is not None:
+            prefill = self.policy.static_split.prefill
+            return sorted({total, prefill, total - prefill} - {0})
+        return self.policy.units.counts()
+
     def _hardware_profile(self) -> HardwareProfile:
         if self.config.hardware_profile:
             return HardwareProfile.load(self.config.hardware_profile)
@@ -423,7 +434,7 @@ class LanedEngine(LLMEngine):
         )
         logits = None
         if step.layer_end == self.model_config.num_layers:
-            logits = self.model.logits(hidden, batch.batch.logits_rows)
+            logits = self.runner.logits(hidden, batch.batch)
         self.units.synchronize()  # the step's device time, not its launch time
         return hidden, logits, time.perf_counter() - start
 

@@ -11,6 +11,30 @@ from bulletserve.model.attention import AttentionMetadata, PrefillSpan
 from bulletserve.model.cpu_kernels import decode_attention_kernel
 from bulletserve.model.decoder import DecoderLM
 
+# On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs; fp32 goes to MKL, which does not)
+# builds (JIT-compiles) a GEMM kernel the first time it meets a row count, for each thread
+# count, and caches it: a prefill at a prompt length not seen before cost SmolLM2-
+# 135M 10-16 ms more than the same prefill again, five weight shapes of a few ms each (a
+# server's step log: 1.21-1.23x the profile's prediction at new row counts, 1.00-1.05x at row
+# counts already met). A CPU step therefore pads its rows above 32 to a multiple of 16 (AMX
+# computes in 16-row tiles), which leaves few enough row counts to build them all when the
+# engine starts (`warm_cpu_gemms`) and keeps the cache from churning. Below 32 rows padding
+# costs more than it saves (17 rows as 32: 1.22x the step); above, 0.98-1.07x per shape.
+CPU_EXACT_ROWS = 32
+CPU_ROW_MULTIPLE = 16
+
+
+def builds_gemm_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether GEMMs on `device` in `dtype` build a kernel per new row count (see above)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a CPU step computes for `rows` tokens (or sampled rows)."""
+    if rows <= CPU_EXACT_ROWS:
+        return rows
+    return -(-rows // CPU_ROW_MULTIPLE) * CPU_ROW_MULTIPLE
+
 
 @dataclass
 class SeqWork:
@@ -29,7 +53,7 @@ class StepBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: torch.Tensor
+    logits_rows: torch.Tensor  # padded on a CPU like the step's rows (repeating the last)
     sampling_order: list[int]  # index into the given works, per logits row
 
 
@@ -62,6 +86,8 @@ class ModelRunner:
         # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine under
         # --cuda-graphs; typed loosely here because that module builds on this one.
         self.graphs = None
+        # Whether steps pad their rows (padded_rows); tests turn it on and off.
+        self.pad_rows = builds_gemm_kernels(device, pool.kv.dtype)
         if device.type == "cuda":
             # cuDNN's SDPA builds a graph per new shape, and a decode batch's context length
             # changes at every step: on an H200 (torch 2.11) it took 74% of the host's time,
@@ -103,6 +129,15 @@ class ModelRunner:
                 logits_rows.append(query_start + query_len - 1)
                 sampling_order.append(index)
         num_prefill_tokens = sum(len(works[i].token_ids) for i in prefills)
+        num_tokens = len(input_ids)
+        if self.pad_rows:
+            padding = padded_rows(num_tokens) - num_tokens
+            input_ids.extend([0] * padding)
+            positions.append(torch.zeros(padding, dtype=torch.long))
+            if logits_rows:
+                logits_rows.extend(
+                    [logits_rows[-1]] * (padded_rows(len(logits_rows)) - len(logits_rows))
+                )
         decode_fields: dict = {}
         if decodes:
             decode_fields = self._decode_fields([works[i] for i in decodes])
@@ -111,6 +146,7 @@ class ModelRunner:
             slot_mapping=torch.cat(slot_mapping).to(to),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
+            num_tokens=num_tokens,
             **decode_fields,
         )
         return StepBatch(
@@ -152,4 +188,38 @@ class ModelRunner:
         hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)
         if not batch.sampling_order:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
-        return self.model.logits(hidden, batch.logits_rows), batch.sampling_order
+        return self.logits(hidden, batch), batch.sampling_order
+
+    def logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """fp32 logits of the batch's sampling rows, padding rows dropped."""
+        return self.model.logits(hidden, batch.logits_rows)[: len(batch.sampling_order)]
+
+
+def warm_cpu_gemms(
+    model: DecoderLM, max_rows: int, max_sampled_rows: int, thread_counts: list[int]
+) -> int:
+    """Have oneDNN build the GEMM kernels of every padded row count up to `max_rows` (the LM
+    head's up to `max_sampled_rows`), at each of `thread_counts` intra-op threads, so that no
+    served step pays for building one. Returns the kernels built. Runs on the calling thread and
+    leaves its thread count as it was."""
+    layers = {
+        (m.weight.shape, m.weight.dtype, m.bias is not None): (m.weight, m.bias)
+        for m in model.layers.modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    gemms = [(weight, bias, max_rows) for weight, bias in layers.values()]
+    gemms.append((model.lm_head_weight, None, min(max_rows, max_sampled_rows)))
+    previous = torch.get_num_threads()
+    built = 0
+    try:
+        with torch.inference_mode():
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                for weight, bias, most in gemms:
+                    for rows in sorted({padded_rows(n) for n in range(1, most + 1)}):
+                        x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype)
+                        torch.nn.functional.linear(x, weight, bias)
+                        built += 1
+    finally:
+        torch.set_num_threads(previous)
+    return built

@@ -36,6 +36,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V is written
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
+    # The step's tokens; the rows after them (a CPU step pads its rows, engine.runner) are
+    # computed row by row like the others but neither cached nor attended.
+    num_tokens: int
     # Decodes through PyTorch SDPA: cache slots of each sequence's context, padded with the
     # null slot, and the matching validity mask.
     decode_slots: torch.Tensor | None = None  # [batch, max_context]
@@ -59,10 +62,13 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D].
 
     Writes the new keys and values into the cache, then attends each token to its context.
+    Padding rows (past `meta.num_tokens`) come out as zeros.
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    tokens = meta.num_tokens
+    k_cache.index_copy_(0, meta.slot_mapping, k[:tokens])
+    v_cache.index_copy_(0, meta.slot_mapping, v[:tokens])
     out = torch.empty_like(q)
+    out[tokens:] = 0
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
@@ -80,8 +86,8 @@ def paged_attention(
             )
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode_kernel is not None and meta.decode_block_tables is not None:
-        out[meta.num_prefill_tokens :] = meta.decode_kernel(
-            q[meta.num_prefill_tokens :],
+        out[meta.num_prefill_tokens : tokens] = meta.decode_kernel(
+            q[meta.num_prefill_tokens : tokens],
             k_cache,
             v_cache,
             meta.decode_block_tables,
@@ -99,7 +105,7 @@ def paged_attention(
         # one token each, all with the same context and mask, so attention needs no GQA
         # expansion of K/V (which SDPA's math path would copy group-fold) and no causal mask.
         group = q.shape[1] // kvh
-        qd = q[meta.num_prefill_tokens :].reshape(batch, kvh, group, dim)
+        qd = q[meta.num_prefill_tokens : tokens].reshape(batch, kvh, group, dim)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[meta.num_prefill_tokens :] = o.reshape(batch, kvh * group, dim)
+        out[meta.num_prefill_tokens : tokens] = o.reshape(batch, kvh * group, dim)
     return out
