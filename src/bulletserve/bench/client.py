@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -110,7 +110,7 @@ async def send_request(
                 body = (await response.aread()).decode(errors="replace")[:200]
                 record.error = f"HTTP {response.status_code}: {body}"
                 return
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 now = time.perf_counter()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments (":"), other SSE fields
@@ -146,6 +146,22 @@ async def send_request(
     record.e2el_s = record.token_times_s[-1]
     record.output_len = usage_tokens if usage_tokens else count_tokens("".join(text_parts))
     record.success = True
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines, ended as server-sent events end them: CR LF, LF or CR. Not
+    `aiter_lines`, which splits like `str.splitlines`, also at U+2028, U+2029 and U+0085: JSON
+    leaves those unescaped, so an event whose generated text held one came apart mid-string
+    (a request of bench-cpu-37 failed so with a JSONDecodeError)."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        lines = (pending + chunk).splitlines(keepends=True)  # bytes split at CR and LF only
+        # Keep an unended last line, and one ended by CR, whose LF may be in the next chunk.
+        pending = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
+        for line in lines:
+            yield line.rstrip(b"\r\n").decode()
+    if pending:
+        yield pending.rstrip(b"\r\n").decode()
 
 
 def _output_piece(event: dict, endpoint: str) -> str | None:
