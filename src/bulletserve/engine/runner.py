@@ -13,13 +13,12 @@ from bulletserve.model.decoder import DecoderLM
 
 # On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs; fp32 goes to MKL, which does not)
 # builds (JIT-compiles) a GEMM kernel the first time it meets a row count, for each thread
-# count, and caches it: a prefill at a prompt length not seen before cost SmolLM2-
-# 135M 10-16 ms more than the same prefill again, five weight shapes of a few ms each (a
-# server's step log: 1.21-1.23x the profile's prediction at new row counts, 1.00-1.05x at row
-# counts already met). A CPU step therefore pads its rows above 32 to a multiple of 16 (AMX
-# computes in 16-row tiles), which leaves few enough row counts to build them all when the
-# engine starts (`warm_cpu_gemms`) and keeps the cache from churning. Below 32 rows padding
-# costs more than it saves (17 rows as 32: 1.22x the step); above, 0.98-1.07x per shape.
+# count, and caches it: in one process, a SmolLM2-135M prefill at a prompt length not met
+# before took 6 ms (17-55 tokens) to 22 ms (200-390) more than the same prefill again, its
+# five weight shapes 0.5-7 ms each. A CPU step therefore pads its rows above 32 to a multiple
+# of 16 (AMX computes in 16-row tiles), which leaves few enough row counts to build them all
+# when the engine starts (`warm_cpu_gemms`) and keeps the cache from churning. Below 32 rows
+# padding costs more than it saves (17 rows as 32: 1.22x the step); above, 0.98-1.07x.
 CPU_EXACT_ROWS = 32
 CPU_ROW_MULTIPLE = 16
 
