@@ -183,7 +183,7 @@ def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
             for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
                 out = args.out / f"{label}.rate-{rate}.json"
                 if args.profile_each_run:
-                    profile_now(out.with_suffix(".profile.json"))
+                    profile_now(out.with_suffix(".profile.json"), args.profile_each_run)
                 parts[label].append(run_bench(label, servers[label][1], rate, out, args, slo))
                 print(f"{label} at {rate} req/s done", flush=True)
     finally:
@@ -202,10 +202,11 @@ def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
     return files
 
 
-def profile_now(path: Path) -> None:
-    """`bullet profile --quick` of this CPU now, for the simulator to replay the next run on
-    the machine's speed of the moment (it swung 2x within half an hour)."""
-    cli = [sys.executable, "-m", "bulletserve.cli", "profile", "--device", "cpu", "--quick"]
+def profile_now(path: Path, plan: str) -> None:
+    """`bullet profile` of this CPU now (`plan`: quick or full), for the simulator to replay
+    the next run on the machine's speed of the moment (it swung 2x within half an hour)."""
+    cli = [sys.executable, "-m", "bulletserve.cli", "profile", "--device", "cpu"]
+    cli += ["--quick"] if plan == "quick" else []
     result = subprocess.run(cli + ["--output", str(path)], capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"bullet profile failed:\n{result.stderr[-2000:]}")
@@ -231,9 +232,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile-each-run",
-        action="store_true",
-        help="with --interleave: a quick `bullet profile` before every run, saved beside it as "
-        "LABEL.rate-R.profile.json (for scripts/sim_fidelity.py --profile-per-run)",
+        nargs="?",
+        const="quick",
+        choices=("quick", "full"),
+        help="with --interleave: a `bullet profile` (quick unless `full`: about 30 s or 80 s "
+        "on 2 cores) before every run, saved beside it as LABEL.rate-R.profile.json (for "
+        "scripts/sim_fidelity.py --profile-per-run)",
     )
     args = parser.parse_args()
     if args.profile_each_run and not args.interleave:
