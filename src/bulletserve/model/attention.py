@@ -65,10 +65,12 @@ def paged_attention(
     Padding rows (past `meta.num_tokens`) come out as zeros.
     """
     tokens = meta.num_tokens
-    k_cache.index_copy_(0, meta.slot_mapping, k[:tokens])
-    v_cache.index_copy_(0, meta.slot_mapping, v[:tokens])
     out = torch.empty_like(q)
-    out[tokens:] = 0
+    if tokens < q.shape[0]:  # padded: skipped otherwise, as it runs in every layer of every step
+        k, v = k[:tokens], v[:tokens]
+        out[tokens:] = 0
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
