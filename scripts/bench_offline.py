@@ -57,7 +57,9 @@ def run_transformers(args: argparse.Namespace) -> dict:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     tokenizer = load_tokenizer(None)
     folder = _converted_gguf(default_model_file())  # the same weights ours runs
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=resolve_dtype(args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=resolve_dtype(args.dtype, torch.device("cpu"))
+    )
     model.eval()
     prompts = _prompts(tokenizer, args.num_prompts, args.input_len)
     input_ids = torch.tensor(prompts)

@@ -36,7 +36,9 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device("cpu")
     units = unit_provider(device)
-    model = load_model(resolve_model(None, "auto"), resolve_dtype("auto"), device, 1024, seed=0)
+    model = load_model(
+        resolve_model(None, "auto"), resolve_dtype("auto", device), device, 1024, seed=0
+    )
     bench = StepBench(model, units, args.batch * (PROMPT_TOKENS + args.tokens) + 64)
     contexts = (PROMPT_TOKENS, PROMPT_TOKENS + args.tokens // 2, PROMPT_TOKENS + args.tokens)
     with torch.inference_mode():

@@ -32,7 +32,9 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device("cpu")
     units = unit_provider(device)
-    model = load_model(resolve_model(None, "auto"), resolve_dtype("auto"), device, 1024, seed=0)
+    model = load_model(
+        resolve_model(None, "auto"), resolve_dtype("auto", device), device, 1024, seed=0
+    )
     full = units.total
     states = [ExecutionState(decode_ctx=(CONTEXT,) * b, decode_units=full) for b in DECODE_BATCHES]
     states += [ExecutionState(prefill_lens=(n,), prefill_units=full) for n in PREFILL_LENS]

@@ -8,6 +8,7 @@ import torch
 from bulletserve import LLM, SamplingParams
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.runner import builds_gemm_kernels, padded_rows, warm_cpu_gemms
+from bulletserve.perf.hardware import HardwareProfile
 
 
 def test_rows_above_32_are_padded_to_a_multiple_of_16():
@@ -40,8 +41,12 @@ def test_warmup_covers_every_padded_row_count_and_restores_the_thread_count(tiny
     ("partition", "counts"), [("auto", [1, 2]), ("none", [2]), ("static:1/1", [1, 2])]
 )
 def test_a_two_lane_engine_warms_every_thread_count_a_lane_may_get(
-    tiny_llama_dir, partition, counts
+    tiny_llama_dir, tmp_path, partition, counts
 ):
+    # A given profile: measuring one at start runs bf16 GEMMs, ~100x slower than fp32 on a CPU
+    # without native bf16.
+    profile = tmp_path / "cpu.json"
+    HardwareProfile("cpu", "cpu", True, 2, 1, 1, {"bfloat16": 4e11}, 4e10, 2, 1e-4).save(profile)
     llm = LLM(
         model=str(tiny_llama_dir),
         dtype="bfloat16",
@@ -50,6 +55,7 @@ def test_a_two_lane_engine_warms_every_thread_count_a_lane_may_get(
         num_threads=2,
         partition=partition,
         cpu_warmup_rows=40,
+        hardware_profile=str(profile),
     )
     try:
         assert llm.engine._thread_counts() == counts

@@ -51,7 +51,9 @@ def test_padded_decode_matches_the_unpadded_step(tiny_llama_dir):
     inputs = PaddedDecode.allocate(8, 256, torch.device("cpu"))  # 5 padding rows, wide context
     inputs.fill(works, pool.block_size)
     padded = padded_forward(model, pool, inputs)
-    torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
+    # 8 rows against 3 and attention over 256 masked slots against the exact context sum in other
+    # orders: up to 2.5e-5 apart in fp32 with AVX2 kernels (AMD Zen 3), 1e-5 with AVX-512 ones.
+    torch.testing.assert_close(padded[:3], eager, rtol=1e-4, atol=1e-4)
     assert torch.isfinite(padded).all()
     assert torch.isfinite(pool.kv[:, :, :16]).all()  # what the padding rows wrote: finite
     again, _ = runner.execute(works)  # the null block's new contents change nothing

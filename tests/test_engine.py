@@ -274,3 +274,30 @@ def test_the_single_lane_engine_writes_a_step_log(tiny_llama_dir, tmp_path, poli
     assert {"prefill", "decode"} <= lanes
     if policy == "chunked":
         assert "hybrid" in lanes
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "expected"),
+    [(False, False, "float32"), (True, False, "bfloat16"), (False, True, "bfloat16")],
+)
+def test_auto_dtype_on_a_cpu_is_bf16_only_where_the_cpu_has_it(
+    tiny_llama_dir, monkeypatch, avx512_bf16, amx, expected
+):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64, cpu_warmup_rows=0)
+    assert next(llm.engine.model.parameters()).dtype == getattr(torch, expected)
+    [out] = llm.generate([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out.token_ids) == 2
+
+
+def test_an_unknown_dtype_names_the_flag():
+    import torch
+
+    from bulletserve.model.loader import resolve_dtype
+
+    with pytest.raises(ValueError, match="--dtype must be auto or one of"):
+        resolve_dtype("int3", torch.device("cpu"))
+    assert resolve_dtype("fp32", torch.device("cpu")) == torch.float32

@@ -13,7 +13,7 @@ from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads, GreenContextSMs, UnitsUnavailableError
 from bulletserve.perf.hardware import Calibration, HardwareProfile
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.profiler import PLANS, profile_device, unit_counts
+from bulletserve.perf.profiler import PLANS, measure_device, profile_device, unit_counts
 from bulletserve.perf.state import ExecutionState
 
 TINY_PLAN = dataclasses.replace(
@@ -33,6 +33,18 @@ TINY_PLAN = dataclasses.replace(
 def test_unit_counts_spread():
     assert unit_counts([1, 2], 6) == [1, 2]
     assert unit_counts(list(range(8, 136, 8)), 4) == [8, 48, 88, 128]
+
+
+def test_a_device_measured_for_an_engine_runs_and_holds_only_its_dtype():
+    lines = []
+    hw = measure_device(CpuThreads(), TINY_PLAN, "at-start", lines.append, torch.float32)
+    assert set(hw.peak_flops) == {"float32"}
+    assert hw.peak_flops["float32"] == hw.calibration.unit_sweep[-1].gemm_flops
+    assert all("(float32)" in line for line in lines)
+    with_peaks = measure_device(
+        CpuThreads(), TINY_PLAN, "x", lines.append, torch.float32, (torch.bfloat16,)
+    )
+    assert set(with_peaks.peak_flops) == {"float32", "bfloat16"}
 
 
 def test_profile_tiny_model(tmp_path):

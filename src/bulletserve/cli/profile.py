@@ -23,7 +23,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy")
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16, float32")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on a GPU and on a CPU with native bf16, else float32), "
+        "bfloat16, float16, float32",
+    )
     parser.add_argument("--output", type=Path, default=Path("profile.json"))
     parser.add_argument("--name", default=None, help="profile name (default: the device's)")
     parser.add_argument("--quick", action="store_true", help="a smaller sweep (under 2 minutes)")
@@ -78,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype)
+        dtype = resolve_dtype(args.dtype, device)
         units = unit_provider(device)
         source = resolve_model(args.model, args.load_format)
         max_positions = max(plan.prefill_lens + plan.corun_prefill_lens + plan.decode_contexts)

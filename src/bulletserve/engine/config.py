@@ -90,7 +90,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="a tokenizer (or model) folder or .gguf file to use instead of the model's own "
         "(dummy presets default to the embedded model's tokenizer)",
     )
-    group.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16 or float32")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on a GPU and on a CPU with native bf16, else float32), "
+        "bfloat16, float16 or float32",
+    )
     group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--max-model-len", type=int, default=None)

@@ -66,7 +66,11 @@ class LLMEngine:
             raise ValueError("--cuda-graphs needs --device cuda")
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or usable_cores())
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.dtype == "auto" and self.device.type == "cpu" and self.dtype == torch.float32:
+            logger.info(
+                "--dtype auto: float32, as this CPU has no native bf16 (AVX-512 bf16 or AMX)"
+            )
         self.source = resolve_model(config.model, config.load_format)
         self.tokenizer = load_tokenizer(config.tokenizer or self.source)
         self.max_model_len = (

@@ -132,7 +132,9 @@ class LanedEngine(LLMEngine):
             "no --hardware-profile: measuring peak GEMM rate and bandwidth now (a few seconds); "
             "`bullet profile` gives the scheduler calibrated predictions"
         )
-        return measure_device(self.units, PLANS["quick"], "measured-at-start", logger.info)
+        return measure_device(
+            self.units, PLANS["quick"], "measured-at-start", logger.info, self.dtype
+        )
 
     # ---- the engine interface ---------------------------------------------------------------
 

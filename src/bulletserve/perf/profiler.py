@@ -107,9 +107,17 @@ def micro_sizes(plan: SweepPlan, kind: str) -> tuple[int, int]:
 
 
 def measure_device(
-    units: CpuThreads | GreenContextSMs, plan: SweepPlan, name: str, log: Callable[[str], None]
+    units: CpuThreads | GreenContextSMs,
+    plan: SweepPlan,
+    name: str,
+    log: Callable[[str], None],
+    dtype: torch.dtype,
+    peak_dtypes: Sequence[torch.dtype] = (),
 ) -> HardwareProfile:
-    """Peaks, N_d and the unit sweep; no step calibration yet."""
+    """Peaks, N_d and the unit sweep; no step calibration yet. The sweep runs its GEMMs in
+    `dtype`, the one the model computes in, and the profile holds the peak GEMM rate of `dtype`
+    and of `peak_dtypes` (each one's GEMMs cost time: on a CPU without native bf16 a bf16 GEMM
+    runs about 100x slower than fp32, see model.loader.cpu_has_native_bf16)."""
     gran, min_units = units.granularity, units.min_units
     skeleton = HardwareProfile(
         name, units.kind, True, units.total, gran, min_units, {"float32": 1.0}, 1.0, 1, 0.0
@@ -118,12 +126,19 @@ def measure_device(
     gemm_n, nbytes = micro_sizes(plan, units.kind)
     sweep, flops = [], {}
     for c in counts:
-        rate = gemm_rate(units, gemm_n, torch.bfloat16, c, plan.micro_repeats)
+        rate = gemm_rate(units, gemm_n, dtype, c, plan.micro_repeats)
         bw = bandwidth(units, nbytes, c, plan.micro_repeats)
         sweep.append(UnitPoint(c, rate, bw))
-        log(f"  {c:>4} units: GEMM {rate / 1e9:9.1f} GFLOP/s (bf16), copy {bw / 1e9:7.1f} GB/s")
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        flops[DTYPE_NAMES[dtype]] = gemm_rate(units, gemm_n, dtype, units.total, plan.micro_repeats)
+        log(
+            f"  {c:>4} units: GEMM {rate / 1e9:9.1f} GFLOP/s ({DTYPE_NAMES[dtype]}), "
+            f"copy {bw / 1e9:7.1f} GB/s"
+        )
+    flops[DTYPE_NAMES[dtype]] = sweep[-1].gemm_flops  # the sweep always ends on every unit
+    for other in peak_dtypes:
+        if DTYPE_NAMES[other] not in flops:
+            flops[DTYPE_NAMES[other]] = gemm_rate(
+                units, gemm_n, other, units.total, plan.micro_repeats
+            )
     return dataclasses.replace(
         skeleton,
         peak_flops=flops,
@@ -179,13 +194,14 @@ def profile_device(
 ) -> ProfileRun:
     """Measure, sweep and fit. `held_out` states are timed in the same rounds as the plan's (so
     that both see the same machine) and left out of the fit."""
-    dtype = DTYPE_NAMES[next(model.parameters()).dtype]
+    torch_dtype = next(model.parameters()).dtype
+    dtype = DTYPE_NAMES[torch_dtype]
     log("peak GEMM rate and copy bandwidth per unit count:")
-    hw = measure_device(units, plan, name, log)
+    hw = measure_device(units, plan, name, log, torch_dtype, tuple(DTYPE_NAMES))
     counts = [p.units for p in hw.calibration.unit_sweep]
     gemm_n, nbytes = micro_sizes(plan, units.kind)
     bw_corun = tuple(
-        (float(c), bandwidth_corun(units, nbytes, c, gemm_n, plan.micro_repeats))
+        (float(c), bandwidth_corun(units, nbytes, c, gemm_n, plan.micro_repeats, torch_dtype))
         for c in counts
         if c < units.total
     )

@@ -44,11 +44,16 @@ def bandwidth(units: CpuThreads | GreenContextSMs, nbytes: int, count: int, repe
 
 
 def bandwidth_corun(
-    units: CpuThreads | GreenContextSMs, nbytes: int, count: int, gemm_n: int, repeats: int
+    units: CpuThreads | GreenContextSMs,
+    nbytes: int,
+    count: int,
+    gemm_n: int,
+    repeats: int,
+    dtype: torch.dtype,
 ) -> float:
-    """Bytes/s of the copy on `count` units while a GEMM loop keeps the other units busy: the
-    bandwidth a decode lane sees next to a prefill."""
-    a = torch.randn(gemm_n, gemm_n, device=units.device).to(torch.bfloat16)
+    """Bytes/s of the copy on `count` units while a GEMM loop in `dtype` (the prefill's) keeps
+    the other units busy: the bandwidth a decode lane sees next to a prefill."""
+    a = torch.randn(gemm_n, gemm_n, device=units.device).to(dtype)
     _settle(units.device)
     stop = threading.Event()
     started = threading.Event()
