@@ -87,7 +87,10 @@ class PerfModel:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
         if dtype not in hw.peak_flops:
-            raise ValueError(f"hardware profile {hw.name!r} has no peak FLOP/s for {dtype}")
+            raise ValueError(
+                f"hardware profile {hw.name!r} has no peak FLOP/s for {dtype} (it has "
+                f"{', '.join(hw.peak_flops)}; `bullet profile --dtype {dtype}` measures one)"
+            )
         if not 0 < correction_weight <= 1:
             raise ValueError("correction_weight must be in (0, 1]")
         self.cfg, self.hw, self.dtype = cfg, hw, dtype

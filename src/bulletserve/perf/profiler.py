@@ -112,19 +112,19 @@ def measure_device(
     name: str,
     log: Callable[[str], None],
     dtype: torch.dtype,
-    peak_dtypes: Sequence[torch.dtype] = (),
 ) -> HardwareProfile:
-    """Peaks, N_d and the unit sweep; no step calibration yet. The sweep runs its GEMMs in
-    `dtype`, the one the model computes in, and the profile holds the peak GEMM rate of `dtype`
-    and of `peak_dtypes` (each one's GEMMs cost time: on a CPU without native bf16 a 1024^3 bf16
-    `torch.mm` ran at 0.9 GFLOP/s against 129 in fp32, see model.loader.cpu_has_native_bf16)."""
+    """Peaks, N_d and the unit sweep; no step calibration yet. The GEMMs run in `dtype`, the
+    one the model computes in and the calibration is fitted for, and the profile holds that
+    dtype's peak only: others would cost time for nothing calibrated (on a CPU without native
+    bf16 a 1024^3 bf16 `torch.mm` ran at 0.9 GFLOP/s against 129 in fp32, see
+    model.loader.cpu_has_native_bf16)."""
     gran, min_units = units.granularity, units.min_units
     skeleton = HardwareProfile(
         name, units.kind, True, units.total, gran, min_units, {"float32": 1.0}, 1.0, 1, 0.0
     )
     counts = unit_counts(skeleton.valid_units(), plan.max_unit_counts)
     gemm_n, nbytes = micro_sizes(plan, units.kind)
-    sweep, flops = [], {}
+    sweep = []
     for c in counts:
         rate = gemm_rate(units, gemm_n, dtype, c, plan.micro_repeats)
         bw = bandwidth(units, nbytes, c, plan.micro_repeats)
@@ -133,15 +133,9 @@ def measure_device(
             f"  {c:>4} units: GEMM {rate / 1e9:9.1f} GFLOP/s ({DTYPE_NAMES[dtype]}), "
             f"copy {bw / 1e9:7.1f} GB/s"
         )
-    flops[DTYPE_NAMES[dtype]] = sweep[-1].gemm_flops  # the sweep always ends on every unit
-    for other in peak_dtypes:
-        if DTYPE_NAMES[other] not in flops:
-            flops[DTYPE_NAMES[other]] = gemm_rate(
-                units, gemm_n, other, units.total, plan.micro_repeats
-            )
     return dataclasses.replace(
         skeleton,
-        peak_flops=flops,
+        peak_flops={DTYPE_NAMES[dtype]: sweep[-1].gemm_flops},  # the sweep ends on every unit
         peak_bandwidth=max(p.bandwidth for p in sweep),
         bandwidth_saturation_units=saturation_units(sweep),
         gemm_tile=(128, 128) if units.kind == "gpu" else None,
@@ -197,7 +191,7 @@ def profile_device(
     torch_dtype = next(model.parameters()).dtype
     dtype = DTYPE_NAMES[torch_dtype]
     log("peak GEMM rate and copy bandwidth per unit count:")
-    hw = measure_device(units, plan, name, log, torch_dtype, tuple(DTYPE_NAMES))
+    hw = measure_device(units, plan, name, log, torch_dtype)
     counts = [p.units for p in hw.calibration.unit_sweep]
     gemm_n, nbytes = micro_sizes(plan, units.kind)
     bw_corun = tuple(
