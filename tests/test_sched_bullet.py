@@ -205,9 +205,9 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
     """On a CPU whose threads split compute and bandwidth evenly, co-running is zero-sum: the
     lanes take turns on every thread, a prefill first, at risk or not and however long,
     whether the window's P90 TPOT holds or not. Where one thread already has all of the
-    bandwidth, a decode step beside the prefill gains: the prefill still takes every thread
-    while P90 TPOT holds, and the two share the CPU once TPOT and TTFT both miss; on a GPU
-    the same (not at risk) prefill shares the device."""
+    bandwidth, a decode step beside the prefill gains: the two share the CPU, decode on the
+    fewest threads while P90 TPOT holds, half each once TPOT and TTFT both miss; on a GPU the
+    same (not at risk) prefill shares the device."""
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
 
     def snap(
@@ -229,11 +229,34 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
     assert zero_sum.plan_decode(snap(2, 64, 0.2)).split == Split(2, 0)
     assert zero_sum.plan_decode(snap(2, 64, 0.2, p90_ttft=1.5)).split == Split(2, 0)
     assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split.rule == "cpu-turns"
-    assert POLICIES["cpu"].plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
-    assert POLICIES["cpu"].plan_prefill(snap(2, 2000, 0.05)).split.rule == "cpu-tpot-holds"
+    shares = POLICIES["cpu"].plan_prefill(snap(2, 64, 0.05)).split
+    assert shares == Split(1, 1) and shares.rule == "decode-fewest"
     both_missing = POLICIES["cpu"].plan_prefill(snap(2, 64, 0.2, p90_ttft=1.5)).split
     assert both_missing == Split(1, 1) and both_missing.rule == "balance"
     assert POLICIES["h100"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
+
+
+def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
+    """A long prefill beside short decode steps: the prefill on one thread outlasts the prefill
+    and a decode step one after the other on both, but the decode lane keeps stepping beside
+    it, so the lanes do more work per second side by side than taking turns."""
+    from bulletserve.perf.state import ExecutionState
+
+    policy = POLICIES["cpu"]
+    decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
+    ctx = tuple(s.num_tokens for s in decoding) + (1025,)
+    prefill_alone, decode_alone = policy._alone_s((1024,), ctx, policy.num_layers)
+    side = policy.perf.predict(
+        ExecutionState(prefill_lens=(1024,), prefill_units=1, decode_ctx=ctx, decode_units=1)
+    )
+    assert side.step_s > prefill_alone + decode_alone
+    assert prefill_alone / side.prefill_s + decode_alone / side.decode_s > 1
+    waiting = (SeqView("w", 100.0, 1024, 0, 0),)
+    snap = BulletSnapshot(
+        100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, LatencyStats(0.5, 0.05),
+        Split(2, 0),
+    )  # fmt: skip
+    assert policy.plan_prefill(snap).split == Split(1, 1)
 
 
 def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_speed():

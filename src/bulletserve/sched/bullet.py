@@ -28,7 +28,6 @@ SPLIT_RULES = {
     "static": "--partition static:P/D",
     "no-prefill": "nothing to prefill: decode gets every unit",
     "no-decode": "nothing to decode: prefill gets every unit",
-    "cpu-tpot-holds": "CPU, P90 TPOT holds: a prefill takes every thread",
     "cpu-turns": "CPU, co-running does not pay: the lanes take turns, prefill first",
     "at-risk-first": "an at-risk prefill takes the device; decode waits within one TPOT",
     "balance": "TTFT and TPOT both missing: half the units each",
@@ -286,32 +285,25 @@ class BulletPolicy:
             return self.static_split
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
-        # On a GPU the lanes gain from running together, so only an at-risk prefill pauses
-        # decode, and only when decode can wait out the step within one TPOT. On a CPU a lane
-        # has at most a few threads to give, and a prefill on fewer of them costs TTFT: while
-        # P90 TPOT holds, the prefill takes every thread (the CPU sweeps' misses were all TTFT,
-        # with P90 TPOT at half its SLO: bench-cpu-26). The TPOT SLO bounds a request's mean
-        # time per output token, so one longer gap costs a request of a hundred tokens little;
-        # requiring that decode wait out the prefill within one TPOT left a sixth of the
-        # prefills beside a decode step on one thread, no faster as a pair (bench-cpu-31).
-        # Once TPOT misses, co-running can be zero-sum or worse too (one thread of two running
-        # a prefill at half speed, a 50-row decode on the other at 180 ms against 76 ms on
-        # both: bench-cpu-22): where the profile predicts that the two steps one after the
-        # other on every thread take no longer than side by side, the lanes take turns on the
-        # whole CPU, prefill first, and only a pair that pays runs. (Letting decode go first
-        # while TPOT missed and TTFT held did not pay: bullet then lost to prefill-first under
-        # overload, 0.55 against 0.73 at 5.5 req/s in bench-cpu-27, 0.41 against 0.74 at 4
-        # in bench-cpu-28, with more TPOT misses, not fewer.)
-        cpu = self.perf.hw.kind == "cpu"
-        if cpu and tpot_ok:
-            return Split(total, 0, "cpu-tpot-holds")
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         lens = tuple(s.num_remaining for s in prefill_batch)
         layers = (step.layer_end - step.layer_start) if step else self.num_layers
         if step is not None and step.layer_end >= self.num_layers:
             # The batch joins decode after this step: size decode for the batch it will have.
             decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
-        if cpu:
+        # On a GPU the lanes gain from running together. On a CPU a lane has a few threads to
+        # give, and whether splitting them gains depends on the CPU: where each lane keeps more
+        # than its share of its speed alone (2 AMD Zen 3 vCPUs in fp32: a decode step as fast on
+        # one thread as on two, docs/data/cpu-profile-2026-11-30m.json) the lanes share the
+        # CPU whether TPOT holds or not; where splitting is zero-sum or worse (one thread of two
+        # running a prefill at half speed, a 50-row decode on the other at 180 ms against 76 ms
+        # on both: bench-cpu-22, an AMX Xeon) they take turns on the whole CPU, prefill first.
+        # (Letting decode go first while TPOT missed and TTFT held did not pay: bullet then lost
+        # to prefill-first under overload, 0.55 against 0.73 at 5.5 req/s in bench-cpu-27. On
+        # the AMX Xeon, sessions 8-11 gave a prefill every thread while TPOT held, whatever the
+        # profile said; that Xeon's profile also predicts sharing to gain, so there this rule
+        # shares more than they did, which no sweep on that machine has measured.)
+        if self.perf.hw.kind == "cpu":
             remaining = self.num_layers - (step.layer_start if step else 0)
             if not self._co_running_pays(
                 snap.now, prefill_batch, lens, decode_ctx, layers, remaining
@@ -377,13 +369,18 @@ class BulletPolicy:
         layers: int,
         remaining_layers: int,
     ) -> bool:
-        """Whether running the prefill beside a decode step, on the split that the rule below
-        would give decode, is predicted to end the pair sooner than the two one after the other
-        on every unit, with every prompt of the batch still outside the at-risk share of its
-        TTFT budget at the slower side-by-side speed. The 2-vCPU machine's profile says co-running
-        gains there (docs/data/cpu-profile-2026-11-30d.json: a 100-token prefill and a 16-row
-        decode, 66 ms side by side on a thread each, 83 ms one after the other) where an even
-        split of cores and bandwidth would make it zero-sum."""
+        """Whether the prefill beside a stream of decode steps, on the split that the rules
+        below would give decode, does more work per second than the lanes taking turns on every
+        unit, with every prompt of the batch still outside the at-risk share of its TTFT budget
+        at the slower side-by-side speed.
+
+        Each lane side by side runs at some share of its speed alone on every unit; the decode
+        lane keeps stepping while the prefill runs, so sharing gains where the two shares sum
+        past 1 (taking turns, they sum to exactly 1). Where one thread has most of the
+        bandwidth, the decode share is near 1: the profile of 2 Zen 3 vCPUs in fp32
+        (docs/data/cpu-profile-2026-11-30m.json) gives a 100-token prefill 0.62 of its speed on
+        one thread beside a 16-row decode and the decode 0.85 of its own, 1.47 in all. Where
+        the threads split compute and bandwidth evenly, the shares sum to about 1."""
         total = self.units.total
         d = self._fewest_decode_units(lens, decode_ctx, layers)
         if total - d <= 0:
@@ -402,14 +399,14 @@ class BulletPolicy:
             now - s.arrival_time + prefill_left_s < RISK_SHARE * self.slo.ttft_s(s.num_remaining)
             for s in batch
         )
-        return in_time and side_by_side.step_s < self._one_after_the_other_s(
-            lens, decode_ctx, layers
-        )
+        prefill_alone, decode_alone = self._alone_s(lens, decode_ctx, layers)
+        shares = prefill_alone / side_by_side.prefill_s + decode_alone / side_by_side.decode_s
+        return in_time and shares > 1.0
 
-    def _one_after_the_other_s(
+    def _alone_s(
         self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
-    ) -> float:
-        """A full-device prefill step followed by a full-device decode step."""
+    ) -> tuple[float, float]:
+        """(prefill step, decode step) each alone on every unit."""
         total = self.units.total
         prefill = self.perf.predict(
             ExecutionState(prefill_lens=prefill_lens, prefill_units=total, prefill_layers=layers)
@@ -417,7 +414,7 @@ class BulletPolicy:
         decode = self.perf.predict(
             ExecutionState(decode_ctx=decode_ctx, decode_units=total)
         ).decode_s
-        return prefill + decode
+        return prefill, decode
 
     def _decode_can_pause(
         self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
@@ -425,7 +422,7 @@ class BulletPolicy:
         """Whether a full-device prefill step followed by a full-device decode step still fits
         in one TPOT: then decode may wait out the prefill step."""
         budget = self.slo.tpot_s * TPOT_HEADROOM
-        return self._one_after_the_other_s(prefill_lens, decode_ctx, layers) <= budget
+        return sum(self._alone_s(prefill_lens, decode_ctx, layers)) <= budget
 
     def _round_down(self, units: int) -> int:
         valid = [c for c in self.units.counts() if c <= units]
