@@ -291,18 +291,20 @@ class BulletPolicy:
         if step is not None and step.layer_end >= self.num_layers:
             # The batch joins decode after this step: size decode for the batch it will have.
             decode_ctx += tuple(s.num_tokens + 1 for s in prefill_batch)
-        # On a GPU the lanes gain from running together. On a CPU a lane has a few threads to
-        # give, and whether splitting them gains depends on the CPU: where each lane keeps more
-        # than its share of its speed alone (2 AMD Zen 3 vCPUs in fp32: a decode step as fast on
-        # one thread as on two, docs/data/cpu-profile-2026-11-30m.json) the lanes share the
-        # CPU whether TPOT holds or not; where splitting is zero-sum or worse (one thread of two
-        # running a prefill at half speed, a 50-row decode on the other at 180 ms against 76 ms
-        # on both: bench-cpu-22, an AMX Xeon) they take turns on the whole CPU, prefill first.
-        # (Letting decode go first while TPOT missed and TTFT held did not pay: bullet then lost
-        # to prefill-first under overload, 0.55 against 0.73 at 5.5 req/s in bench-cpu-27. On
-        # the AMX Xeon, sessions 8-11 gave a prefill every thread while TPOT held, whatever the
-        # profile said; that Xeon's profile also predicts sharing to gain, so there this rule
-        # shares more than they did, which no sweep on that machine has measured.)
+        # On a GPU the lanes gain from running together, so only an at-risk prefill pauses
+        # decode, and only when decode can wait out the step within one TPOT. On a CPU a lane
+        # has a few threads to give, and whether splitting them gains depends on the CPU: where
+        # each lane keeps more than its share of its speed alone (2 AMD Zen 3 vCPUs in fp32: a
+        # decode step as fast on one thread as on two, docs/data/cpu-profile-2026-11-30m.json)
+        # the lanes share the CPU whether TPOT holds or not; where splitting is zero-sum or
+        # worse (one thread of two running a prefill at half speed, a 50-row decode on the
+        # other at 180 ms against 76 ms on both: bench-cpu-22, an AMX Xeon) they take turns on
+        # the whole CPU, prefill first. (Letting decode go first while TPOT missed and TTFT held
+        # did not pay: bullet then lost to prefill-first under overload, 0.55 against 0.73 at
+        # 5.5 req/s in bench-cpu-27. The rule before this one gave a prefill every thread while
+        # TPOT held, whatever the profile said, from sweeps on an AMX Xeon whose profile also
+        # predicts sharing to gain: there this rule shares more than it did, which no sweep on
+        # that machine has measured.)
         if self.perf.hw.kind == "cpu":
             remaining = self.num_layers - (step.layer_start if step else 0)
             if not self._co_running_pays(
