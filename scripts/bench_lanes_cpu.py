@@ -9,8 +9,9 @@ partition ablations, through the real server with `bullet bench`.
    per-token`: the paper's per-token SLO alone, at SLO_FACTOR times the P90 per-token TTFT; a
    prompt of a few tokens then gets less than twice its isolated TTFT.) TPOT: SLO_FACTOR times
    the median.
-2. For each configuration: start `bullet serve` (default model, bf16, --step-log), sweep the
-   request rates with `bullet bench`, stop the server. `--interleave`: start every
+2. For each configuration: start `bullet serve` (default model, `--dtype auto`: bf16 where
+   the CPU has it, else fp32; --step-log), sweep the request rates with `bullet bench`, stop
+   the server. `--interleave`: start every
    configuration's server first, then run each rate against every configuration in turn (the
    machine's slow spells then fall on all configurations of a rate alike).
 3. Plots and a comparison table.
