@@ -401,9 +401,11 @@ class BulletPolicy:
             now - s.arrival_time + prefill_left_s < RISK_SHARE * self.slo.ttft_s(s.num_remaining)
             for s in batch
         )
+        if not in_time:
+            return False
         prefill_alone, decode_alone = self._alone_s(lens, decode_ctx, layers)
         shares = prefill_alone / side_by_side.prefill_s + decode_alone / side_by_side.decode_s
-        return in_time and shares > 1.0
+        return shares > 1.0
 
     def _alone_s(
         self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
