@@ -1,12 +1,14 @@
 """What our C kernels buy: one engine, step latencies with the kernels switched in and out.
 
-Three settings, alternated in one process so that the machine's drift hits them alike:
-`pytorch` (PyTorch ops only), `attention` (our decode-attention kernel, the rest PyTorch) and
-`all` (decode attention plus the fused residual-add + RMSNorm, RoPE and SiLU * up). Two steps:
-a decode step of 64 sequences at context 320 (their blocks interleaved in the pool, as a
-running batch leaves them) and a prefill of 8 prompts of 256 tokens. Medians over the repeats.
+Four settings, alternated in one process so that the machine's drift hits them alike:
+`pytorch` (PyTorch ops only), `attention` (our decode-attention kernel, the rest PyTorch), `all`
+(decode attention plus the fused residual-add + RMSNorm, RoPE and SiLU * up) and `linear` (all
+of those plus the small-row fp32 linear kernel, for projections of at most 8 rows; fp32 only).
+Steps: decodes of 64, 8 and 1 sequences at context 320 (their blocks interleaved in the pool, as
+a running batch leaves them) and a prefill of 8 prompts of 256 tokens. Medians over the repeats,
+on `--threads` intra-op threads (a lane's share).
 
-    .venv/bin/python scripts/bench_cpu_kernels.py --repeats 7
+    .venv/bin/python scripts/bench_cpu_kernels.py --repeats 7 --dtype float32 --threads 1
 """
 
 from __future__ import annotations
@@ -16,25 +18,33 @@ import json
 import statistics
 import time
 
+import torch
+
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.runner import SeqWork
+from bulletserve.model.cpu_kernels import small_linear_kernel
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_model_len=1024))
+    torch.set_num_threads(args.threads)
     ops, kernel = engine.model.norm.ops, engine.runner.decode_kernel
     if ops is None or kernel is None:
         raise SystemExit("our CPU kernels could not be built here (see the warning above)")
+    linear = small_linear_kernel(engine.dtype, engine.device)
+    settings = ("pytorch", "attention", "all") + (("linear",) if linear is not None else ())
 
     def use(setting: str) -> None:
-        engine.model.use_fused_ops(ops if setting == "all" else None)
-        engine.runner.decode_kernel = kernel if setting in ("attention", "all") else None
+        engine.model.use_fused_ops(ops if setting in ("all", "linear") else None)
+        engine.runner.decode_kernel = kernel if setting != "pytorch" else None
+        engine.model.use_small_linear(linear if setting == "linear" else None)
 
     allocate = engine.pool.allocator.allocate
     batch, context, block = 64, 320, engine.pool.block_size
@@ -43,14 +53,18 @@ def main() -> None:
         for table in tables:
             table.extend(allocate(1))
     steps = {
-        "decode 64 x ctx 320": [SeqWork([100 + i], context, t, True) for i, t in enumerate(tables)],
+        f"decode {rows} x ctx 320": [
+            SeqWork([100 + i], context, t, True) for i, t in enumerate(tables[:rows])
+        ]
+        for rows in (64, 8, 1)
+    }
+    steps |= {
         "prefill 8 x 256": [
             SeqWork(list(range(1000 + i, 1256 + i)), 0, allocate(256 // block), True)
             for i in range(8)
         ],
     }
     times: dict[tuple[str, str], list[float]] = {}
-    settings = ("pytorch", "attention", "all")
     for _ in range(args.repeats):
         for setting in settings:
             use(setting)
@@ -64,9 +78,12 @@ def main() -> None:
         base = statistics.median(times[(name, "pytorch")])
         row = {s: statistics.median(times[(name, s)]) * 1e3 for s in settings}
         row["speedup_all"] = base * 1e3 / row["all"]
-        result[name] = row
         cells = ", ".join(f"{s} {row[s]:.1f} ms" for s in settings)
-        print(f"{name}: {cells}; all / pytorch = {row['speedup_all']:.2f}x")
+        if "linear" in row:
+            row["linear_vs_all"] = row["all"] / row["linear"]
+            cells += f"; all / linear = {row['linear_vs_all']:.2f}x"
+        result[name] = row
+        print(f"{name}: {cells}; pytorch / all = {row['speedup_all']:.2f}x")
     print(json.dumps(result))
 
 

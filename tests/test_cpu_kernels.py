@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulletserve.model.cpu_kernels import decode_attention_kernel, fused_ops
+from bulletserve.model import cpu_kernels
+from bulletserve.model.cpu_kernels import (
+    SMALL_LINEAR_MAX_ROWS,
+    decode_attention_kernel,
+    fused_ops,
+    small_linear_kernel,
+)
 from bulletserve.model.decoder import apply_rope
 
 
@@ -123,6 +129,41 @@ def test_fused_ops_match_pytorch(dtype, tolerance):
     assert close(ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize(("width", "out", "bias"), [(576, 960, False), (45, 19, True)])
+def test_small_linear_matches_pytorch_and_is_batch_invariant(width, out, bias):
+    # 45 inputs: a tail of 5 after the 8-wide vectors; 19 outputs: a column tail after the tiles.
+    kernel = small_linear_kernel(torch.float32, torch.device("cpu"))
+    if kernel is None:
+        pytest.skip("no C compiler on this machine")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out, width, generator=generator)
+    b = torch.randn(out, generator=generator) if bias else None
+    x = torch.randn(SMALL_LINEAR_MAX_ROWS, width, generator=generator)
+    full = kernel(x, weight, b)
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert torch.allclose(full.double(), expected, atol=1e-4, rtol=1e-4)
+    for rows in range(1, SMALL_LINEAR_MAX_ROWS):  # every tile and tail shape
+        assert torch.equal(kernel(x[:rows].contiguous(), weight, b), full[:rows])
+    assert kernel.fits(x) and not kernel.fits(torch.randn(SMALL_LINEAR_MAX_ROWS + 1, width))
+    assert not kernel.fits(x.to(torch.bfloat16)) and not kernel.fits(x.t())
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kernel(x, weight.to(torch.bfloat16))
+
+
+def test_small_linear_is_fp32_on_the_cpu_only_and_kept_only_where_faster(monkeypatch):
+    cpu = torch.device("cpu")
+    assert small_linear_kernel(torch.bfloat16, cpu) is None
+    assert small_linear_kernel(torch.float32, torch.device("meta")) is None
+    if small_linear_kernel(torch.float32, cpu) is None:
+        pytest.skip("no C compiler on this machine")
+    weights = [torch.randn(16, 8)]
+    timed = cpu_kernels._time_linears(small_linear_kernel(torch.float32, cpu), weights)
+    assert all(seconds > 0 for seconds in timed)
+    for ours, pytorch, kept in [(1.0, 2.0, True), (2.0, 1.0, False)]:
+        monkeypatch.setattr(cpu_kernels, "_time_linears", lambda *_, t=(ours, pytorch): t)
+        assert (small_linear_kernel(torch.float32, cpu, weights) is not None) == kept
+
+
 def test_openmp_wait_policy_is_set_before_torch_loads_and_never_overrides_the_user():
     script = "import os, bulletserve, torch; print(os.environ['OMP_WAIT_POLICY'])"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -137,6 +178,7 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     # A -ffast-math link would switch the process to flush-to-zero when the library loads.
     fused_ops(torch.float32, torch.device("cpu"))
     decode_attention_kernel(torch.float32, 64, 3, torch.device("cpu"))
+    small_linear_kernel(torch.float32, torch.device("cpu"))
     tiny = torch.tensor(1e-40, dtype=torch.float32)
     assert (tiny * 1.0).item() != 0.0
     assert float(np.float32(1e-40) * np.float32(1.0)) != 0.0

@@ -5,6 +5,10 @@
   padded tensor each layer and runs the generic SDPA kernel.
 - `csrc/cpu_ops.c`: the element-wise chains of a layer fused (residual add + RMSNorm, RoPE in
   place, SiLU * up), each one pass over the activations instead of five to ten PyTorch ops.
+- `csrc/small_linear.c`: fp32 projections of a few rows (a decode step's), one streaming pass
+  over the weights. Used only where it times faster than PyTorch's own GEMM on this machine
+  (`small_linear_kernel` checks at load): on AMD CPUs PyTorch's MKL runs these shapes far below
+  the memory bandwidth.
 
 They are compiled with the system C compiler for this machine (`-march=native`) and cached under
 the bulletserve cache folder; the attention kernel per head shape, so that its loops unroll.
@@ -22,9 +26,11 @@ import hashlib
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,6 +171,88 @@ def decode_attention_kernel(
     argtypes = [_ptr] * 6 + [_int] * 6 + [_float, _int]
     name = f"decode_attention_{_SUFFIX[dtype]}"
     return DecodeAttentionKernel(_function(library, name, argtypes, ctypes.c_int))
+
+
+@dataclass(frozen=True)
+class SmallLinearKernel:
+    """y = x W^T (+ bias) for contiguous fp32 x of at most `max_rows` rows."""
+
+    function: ctypes._CFuncPtr
+    max_rows: int
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (
+            x.dim() == 2
+            and x.shape[0] <= self.max_rows
+            and x.dtype == torch.float32
+            and x.is_contiguous()
+        )
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows, width = x.shape
+        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape[1] != width:
+            raise ValueError(f"weight must be contiguous fp32 [out, {width}], got {weight.shape}")
+        out = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+        self.function(
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.contiguous().data_ptr(),
+            out.data_ptr(),
+            rows,
+            width,
+            weight.shape[0],
+            torch.get_num_threads(),
+        )
+        return out
+
+
+# The kernel's tile is 2 rows; past 8 rows PyTorch's GEMM caught up on the AMD EPYC it was
+# measured on (scripts/bench_cpu_kernels.py, docs/benchmarks.md "Small-row linear kernel").
+SMALL_LINEAR_MAX_ROWS = 8
+
+
+def small_linear_kernel(
+    dtype: torch.dtype, device: torch.device, weights: list[torch.Tensor] | None = None
+) -> SmallLinearKernel | None:
+    """The small-row fp32 linear kernel where it can be used, else None. Given `weights` (a
+    decode step's projections), only where it beats PyTorch's GEMM on them on this machine
+    (timed at `SMALL_LINEAR_MAX_ROWS` rows, alternately with `F.linear`)."""
+    if dtype != torch.float32 or not kernels_enabled(dtype, device):
+        return None
+    library = _library("small_linear")
+    if library is None:
+        return None
+    function = _function(library, "small_linear_f32", [_ptr] * 4 + [_long] * 3 + [_int])
+    kernel = SmallLinearKernel(function, SMALL_LINEAR_MAX_ROWS)
+    if weights is None:
+        return kernel
+    ours, pytorch = _time_linears(kernel, weights)
+    log.info(
+        "small-row linear kernel: %.2f ms vs PyTorch %.2f ms for one step's projections; %s",
+        ours * 1e3,
+        pytorch * 1e3,
+        "using it" if ours < pytorch else "not using it",
+    )
+    return kernel if ours < pytorch else None
+
+
+def _time_linears(
+    kernel: SmallLinearKernel, weights: list[torch.Tensor], repeats: int = 5
+) -> tuple[float, float]:
+    """Median seconds of one pass over `weights` at `kernel.max_rows` rows: (ours, PyTorch)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(kernel.max_rows, w.shape[1], generator=generator) for w in weights]
+    paths = {"ours": kernel, "pytorch": torch.nn.functional.linear}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats + 1):  # the first round warms caches and thread teams up
+        for name, path in paths.items():
+            start = time.perf_counter()
+            for x, weight in zip(inputs, weights, strict=True):
+                path(x, weight)
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["ours"][1:]), statistics.median(times["pytorch"][1:])
 
 
 class FusedOps:

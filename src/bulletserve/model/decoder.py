@@ -5,7 +5,8 @@ two large GEMMs instead of five small ones. `load_hf_weights` takes Hugging Face
 The residual stream is carried beside each layer's output (as in vLLM) so that the residual add
 and the next RMSNorm are one fused op; on the CPU, `use_fused_ops` turns our C kernels on for
 those (keeping the stream in fp32), RoPE and SiLU * up, and every module keeps its PyTorch path
-for other devices.
+for other devices. `use_small_linear` runs projections of a few rows (decode steps) through
+our fp32 CPU GEMM kernel where the loader found it faster.
 """
 
 from __future__ import annotations
@@ -21,7 +22,20 @@ from torch import nn
 
 from bulletserve.model.attention import AttentionMetadata, paged_attention
 from bulletserve.model.config import ModelConfig, RopeScaling
-from bulletserve.model.cpu_kernels import FusedOps
+from bulletserve.model.cpu_kernels import FusedOps, SmallLinearKernel
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose inputs of a few rows go through our CPU kernel when one is set."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.small: SmallLinearKernel | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and self.small.fits(x):
+            return self.small(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -127,10 +141,10 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -161,8 +175,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.ops: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,6 +226,7 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.small_linear: SmallLinearKernel | None = None
 
     def reset_rotary(self, device: torch.device, max_positions: int) -> None:
         """Rebuild the cos/sin tables on `device` (after construction on the meta device)."""
@@ -222,6 +237,26 @@ class DecoderLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.ops = ops
+
+    def use_small_linear(self, kernel: SmallLinearKernel | None) -> None:
+        """Run projections of at most `kernel.max_rows` rows, the LM head's too, through our
+        CPU GEMM kernel (None: PyTorch's)."""
+        self.small_linear = kernel
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.small = kernel
+
+    def decode_projection_weights(self) -> list[torch.Tensor]:
+        """The weights one decode step multiplies by, per layer once: the first layer's and the
+        LM head's."""
+        layer = self.layers[0]
+        return [
+            layer.self_attn.qkv_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+            self.lm_head_weight,
+        ]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -251,6 +286,8 @@ class DecoderLM(nn.Module):
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the selected token rows (the last token of each sampling sequence)."""
         selected = self.norm(hidden.index_select(0, rows))
+        if self.small_linear is not None and self.small_linear.fits(selected):
+            return self.small_linear(selected, self.lm_head_weight)
         return F.linear(selected, self.lm_head_weight).float()
 
     @torch.inference_mode()

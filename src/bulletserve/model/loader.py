@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bulletserve.model.config import ModelConfig
-from bulletserve.model.cpu_kernels import fused_ops
+from bulletserve.model.cpu_kernels import fused_ops, small_linear_kernel
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.gguf_reader import read_gguf
 from bulletserve.model.presets import get_preset
@@ -82,6 +82,10 @@ def load_model(
         )
         model.load_hf_weights(_safetensors_weights(folder))
     model.use_fused_ops(fused_ops(dtype, device))
+    with torch.inference_mode():
+        model.use_small_linear(
+            small_linear_kernel(dtype, device, model.decode_projection_weights())
+        )
     if device.type == "cuda":
         # The lanes run on streams of their own, which do not wait for the default stream.
         torch.cuda.synchronize(device)
