@@ -3,7 +3,8 @@
 Four settings, alternated in one process so that the machine's drift hits them alike:
 `pytorch` (PyTorch ops only), `attention` (our decode-attention kernel, the rest PyTorch), `all`
 (decode attention plus the fused residual-add + RMSNorm, RoPE and SiLU * up) and `linear` (all
-of those plus the small-row fp32 linear kernel, for projections of at most 8 rows; fp32 only).
+of those plus the small-row fp32 linear kernel, for projections of at most 12 rows a thread;
+fp32 only).
 Steps: decodes of 64, 8 and 1 sequences at context 320 (their blocks interleaved in the pool, as
 a running batch leaves them) and a prefill of 8 prompts of 256 tokens. Medians over the repeats,
 on `--threads` intra-op threads (a lane's share).

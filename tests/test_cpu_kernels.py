@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from bulletserve.model import cpu_kernels
 from bulletserve.model.cpu_kernels import (
-    SMALL_LINEAR_MAX_ROWS,
     decode_attention_kernel,
     fused_ops,
     small_linear_kernel,
@@ -138,13 +137,20 @@ def test_small_linear_matches_pytorch_and_is_batch_invariant(width, out, bias):
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out, width, generator=generator)
     b = torch.randn(out, generator=generator) if bias else None
-    x = torch.randn(SMALL_LINEAR_MAX_ROWS, width, generator=generator)
+    rows = kernel.max_rows()
+    x = torch.randn(rows, width, generator=generator)
     full = kernel(x, weight, b)
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert torch.allclose(full.double(), expected, atol=1e-4, rtol=1e-4)
-    for rows in range(1, SMALL_LINEAR_MAX_ROWS):  # every tile and tail shape
-        assert torch.equal(kernel(x[:rows].contiguous(), weight, b), full[:rows])
-    assert kernel.fits(x) and not kernel.fits(torch.randn(SMALL_LINEAR_MAX_ROWS + 1, width))
+    for part in range(1, rows):  # every tile and tail shape
+        assert torch.equal(kernel(x[:part].contiguous(), weight, b), full[:part])
+    assert kernel.fits(x) and not kernel.fits(torch.randn(rows + 1, width))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert kernel.max_rows() == kernel.rows_per_thread  # a one-thread lane's share
+    finally:
+        torch.set_num_threads(threads)
     assert not kernel.fits(x.to(torch.bfloat16)) and not kernel.fits(x.t())
     with pytest.raises(ValueError, match="contiguous fp32"):
         kernel(x, weight.to(torch.bfloat16))

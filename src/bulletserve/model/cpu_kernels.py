@@ -175,15 +175,19 @@ def decode_attention_kernel(
 
 @dataclass(frozen=True)
 class SmallLinearKernel:
-    """y = x W^T (+ bias) for contiguous fp32 x of at most `max_rows` rows."""
+    """y = x W^T (+ bias) for contiguous fp32 x of at most `max_rows()` rows."""
 
     function: ctypes._CFuncPtr
-    max_rows: int
+    rows_per_thread: int
+
+    def max_rows(self) -> int:
+        """The most rows it takes on the calling thread's intra-op threads."""
+        return self.rows_per_thread * torch.get_num_threads()
 
     def fits(self, x: torch.Tensor) -> bool:
         return (
             x.dim() == 2
-            and x.shape[0] <= self.max_rows
+            and x.shape[0] <= self.max_rows()
             and x.dtype == torch.float32
             and x.is_contiguous()
         )
@@ -208,9 +212,10 @@ class SmallLinearKernel:
         return out
 
 
-# The kernel's tile is 2 rows; past 8 rows PyTorch's GEMM caught up on the AMD EPYC it was
-# measured on (scripts/bench_cpu_kernels.py, docs/benchmarks.md "Small-row linear kernel").
-SMALL_LINEAR_MAX_ROWS = 8
+# Past about 12 rows per thread PyTorch's GEMM caught up on the AMD EPYC it was measured on
+# (a whole step's projections: 1 thread 1.1x at 12 rows, 1.0x at 16; 2 threads 1.5x at 24,
+# 1.1x at 32; docs/benchmarks.md "Small-row linear kernel").
+SMALL_LINEAR_ROWS_PER_THREAD = 12
 
 
 def small_linear_kernel(
@@ -218,14 +223,14 @@ def small_linear_kernel(
 ) -> SmallLinearKernel | None:
     """The small-row fp32 linear kernel where it can be used, else None. Given `weights` (a
     decode step's projections), only where it beats PyTorch's GEMM on them on this machine
-    (timed at `SMALL_LINEAR_MAX_ROWS` rows, alternately with `F.linear`)."""
+    (timed at its most rows on the calling thread, alternately with `F.linear`)."""
     if dtype != torch.float32 or not kernels_enabled(dtype, device):
         return None
     library = _library("small_linear")
     if library is None:
         return None
     function = _function(library, "small_linear_f32", [_ptr] * 4 + [_long] * 3 + [_int])
-    kernel = SmallLinearKernel(function, SMALL_LINEAR_MAX_ROWS)
+    kernel = SmallLinearKernel(function, SMALL_LINEAR_ROWS_PER_THREAD)
     if weights is None:
         return kernel
     ours, pytorch = _time_linears(kernel, weights)
@@ -241,9 +246,9 @@ def small_linear_kernel(
 def _time_linears(
     kernel: SmallLinearKernel, weights: list[torch.Tensor], repeats: int = 5
 ) -> tuple[float, float]:
-    """Median seconds of one pass over `weights` at `kernel.max_rows` rows: (ours, PyTorch)."""
+    """Median seconds of one pass over `weights` at `kernel.max_rows()` rows: (ours, PyTorch)."""
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(kernel.max_rows, w.shape[1], generator=generator) for w in weights]
+    inputs = [torch.randn(kernel.max_rows(), w.shape[1], generator=generator) for w in weights]
     paths = {"ours": kernel, "pytorch": torch.nn.functional.linear}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats + 1):  # the first round warms caches and thread teams up

@@ -239,7 +239,7 @@ class DecoderLM(nn.Module):
                 module.ops = ops
 
     def use_small_linear(self, kernel: SmallLinearKernel | None) -> None:
-        """Run projections of at most `kernel.max_rows` rows, the LM head's too, through our
+        """Run projections of at most `kernel.max_rows()` rows, the LM head's too, through our
         CPU GEMM kernel (None: PyTorch's)."""
         self.small_linear = kernel
         for module in self.modules():
