@@ -87,6 +87,24 @@ def test_profile_tiny_model(tmp_path):
     assert model_.predict(es).prefill_s == pytest.approx(sample.measured_s + sampler_s, rel=1e-6)
 
 
+def test_the_step_bench_writes_its_whole_kv_pool_before_timing_anything():
+    # Blocks go out first-in first-out: a decode state's context would otherwise sit on pages
+    # no step had written, faulted in (or read as the zero page) inside the timed call.
+    import psutil
+
+    from bulletserve.perf.measure.steps import StepBench
+
+    model = load_model(resolve_model("tiny", "dummy"), torch.float32, torch.device("cpu"), 64)
+    per_token = model.config.kv_bytes_per_token(4)
+    process = psutil.Process()
+    before = process.memory_info().rss
+    bench = StepBench(model, CpuThreads(), max_tokens=(64 << 20) // per_token)
+    pool_bytes = bench.pool.kv.numel() * bench.pool.kv.element_size()
+    # Resident, not merely reserved: a pool left as torch.empty would add almost nothing.
+    assert process.memory_info().rss - before > 0.9 * pool_bytes
+    assert not bench.pool.kv.any()
+
+
 def test_green_contexts_fail_clearly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")

@@ -30,8 +30,9 @@ class StepBench:
         self.pool = KVPool(model.config, blocks, block_size, dtype, units.device)
         # The pool hands blocks out first-in first-out, so each state's sequences get blocks
         # no step has touched; on a CPU their pages would fault in during the timed step (a
-        # 32-row decode at context 512 reads 750 MB of KV: 1.4-1.6x its time once paged in),
-        # where a served decode reads KV that its prefill already wrote.
+        # 32-row decode at context 512 reads 750 MB of KV: 234-327 ms on fresh pages, 204-223
+        # with this pool written first, two AMD Zen 3 threads), where a served decode reads KV
+        # that its prefill already wrote.
         self.pool.kv.zero_()
         self._runners = [ModelRunner(model, self.pool, units.device) for _ in range(2)]
         self._vocab = model.config.vocab_size
