@@ -199,10 +199,11 @@ class SmallLinearKernel:
         if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape[1] != width:
             raise ValueError(f"weight must be contiguous fp32 [out, {width}], got {weight.shape}")
         out = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+        bias = None if bias is None else bias.contiguous()  # held until the call returns
         self.function(
             x.data_ptr(),
             weight.data_ptr(),
-            None if bias is None else bias.contiguous().data_ptr(),
+            None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             rows,
             width,
