@@ -16,6 +16,9 @@ TOKENIZER = load_tokenizer(None)
 def test_streamed_deltas_join_to_the_full_text_and_are_never_broken(text):
     ids = TOKENIZER.encode(text, add_special_tokens=False)
     assume(TOKENIZER.decode(ids) == text)  # characters outside the vocabulary's bytes do not
+    # Text spelling a special token ("<|endoftext|>", found by CI) encodes to it, and streamed
+    # output skips special tokens as vLLM's does: the property is about ordinary text.
+    assume(not set(ids) & set(TOKENIZER.all_special_ids))
     detok = IncrementalDetokenizer(TOKENIZER, [1, 2, 3])
     deltas = [detok.add(token) for token in ids]
     deltas.append(detok.flush())  # the request finished: nothing may stay held back
