@@ -74,7 +74,7 @@ def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):
     llm = _bullet_llm(
         tiny_llama_dir,
         prefill_layers_per_step=1,
-        kv_cache_memory=str(24 * TINY_LLAMA_BLOCK_BYTES),
+        kv_cache_memory=str(16 * TINY_LLAMA_BLOCK_BYTES),
     )
     rng = random.Random(3)
     prompts = random_prompts(300, seed=22, low=1, high=120)
