@@ -214,8 +214,9 @@ class SmallLinearKernel:
 
 
 # Past about 12 rows per thread PyTorch's GEMM caught up on the AMD EPYC it was measured on
-# (a whole step's projections: 1 thread 1.1x at 12 rows, 1.0x at 16; 2 threads 1.5x at 24,
-# 1.1x at 32; docs/benchmarks.md "Small-row linear kernel").
+# (a whole step's projections, scripts/small_linear_rows.py: 1 thread 1.27x at 12 rows, 1.12x
+# at 16, 0.93x at 24; 2 threads 1.25x at 24, 1.08x at 32; docs/benchmarks.md "Small-row
+# linear kernel").
 SMALL_LINEAR_ROWS_PER_THREAD = 12
 
 

@@ -2,13 +2,13 @@
  *
  * With a handful of rows a linear layer is one pass over its weights, and its speed is how well
  * that pass streams. PyTorch's BLAS on some CPUs (MKL on AMD's, measured in
- * scripts/bench_cpu_kernels.py) runs these shapes at a fraction of the memory bandwidth. Here each
+ * scripts/small_linear_rows.py) runs these shapes at a fraction of the memory bandwidth. Here each
  * thread takes a contiguous range of output columns (rows of W, read once from memory) and keeps
  * a tile of 4 rows x 2 columns of 8-wide partial sums in registers: 6 vector loads per 8 FMAs,
  * the x rows and the current 2 W rows staying in L1 while the next 2 are prefetched (a single
  * thread otherwise waits on memory in the first pass over a block and computes in the others).
- * Tiles were chosen by timing a whole SmolLM2-135M step's projections on an AMD EPYC (Zen 3):
- * 4 x 2 and 4 x 3 were fastest at 4 and 8 rows, 2 x 4 within 10%.
+ * Tiles were chosen by timing a whole SmolLM2-135M step's projections on an AMD EPYC (Zen 3),
+ * one-off: 4 x 2 and 4 x 3 were fastest at 4 and 8 rows, 2 x 4 within 10%.
  *
  * Each output is summed over k in the same order whatever the number of rows, so a row's result
  * does not depend on the batch it is in.
