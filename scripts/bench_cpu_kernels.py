@@ -2,9 +2,9 @@
 
 Four settings, alternated in one process so that the machine's drift hits them alike:
 `pytorch` (PyTorch ops only), `attention` (our decode-attention kernel, the rest PyTorch), `all`
-(decode attention plus the fused residual-add + RMSNorm, RoPE and SiLU * up) and `linear` (all
-of those plus the small-row fp32 linear kernel, for projections of at most 12 rows a thread;
-fp32 only).
+(decode attention plus the fused residual-add + RMSNorm, RoPE and SiLU * up) and `packed` (all
+of those plus the packed fp32 linear kernel for every projection, on a second copy of the model
+loaded with its weights packed; fp32 only).
 Steps: decodes of 64, 8 and 1 sequences at context 320 (their blocks interleaved in the pool, as
 a running batch leaves them) and a prefill of 8 prompts of 256 tokens. Medians over the repeats,
 on `--threads` intra-op threads (a lane's share).
@@ -24,7 +24,8 @@ import torch
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.runner import SeqWork
-from bulletserve.model.cpu_kernels import small_linear_kernel
+from bulletserve.model.cpu_kernels import packed_linear_kernel
+from bulletserve.model.loader import load_model
 
 
 def main() -> None:
@@ -34,18 +35,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
 
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_model_len=1024))
+    config = EngineConfig(dtype=args.dtype, max_model_len=1024)
+    engine = LLMEngine(config)
     torch.set_num_threads(args.threads)
-    ops, kernel = engine.model.norm.ops, engine.runner.decode_kernel
+    unpacked = load_model(engine.source, engine.dtype, engine.device, 1024, pack_linear=False)
+    packed = None
+    linear = packed_linear_kernel(engine.dtype, engine.device)
+    if linear is not None:
+        packed = load_model(engine.source, engine.dtype, engine.device, 1024, pack_linear=False)
+        packed.use_packed_linear(linear)
+    ops, kernel = unpacked.norm.ops, engine.runner.decode_kernel
     if ops is None or kernel is None:
         raise SystemExit("our CPU kernels could not be built here (see the warning above)")
-    linear = small_linear_kernel(engine.dtype, engine.device)
-    settings = ("pytorch", "attention", "all") + (("linear",) if linear is not None else ())
+    settings = ("pytorch", "attention", "all") + (("packed",) if packed is not None else ())
 
     def use(setting: str) -> None:
-        engine.model.use_fused_ops(ops if setting in ("all", "linear") else None)
+        engine.runner.model = packed if setting == "packed" else unpacked
+        unpacked.use_fused_ops(ops if setting == "all" else None)
         engine.runner.decode_kernel = kernel if setting != "pytorch" else None
-        engine.model.use_small_linear(linear if setting == "linear" else None)
 
     allocate = engine.pool.allocator.allocate
     batch, context, block = 64, 320, engine.pool.block_size
@@ -80,9 +87,9 @@ def main() -> None:
         row = {s: statistics.median(times[(name, s)]) * 1e3 for s in settings}
         row["speedup_all"] = base * 1e3 / row["all"]
         cells = ", ".join(f"{s} {row[s]:.1f} ms" for s in settings)
-        if "linear" in row:
-            row["linear_vs_all"] = row["all"] / row["linear"]
-            cells += f"; all / linear = {row['linear_vs_all']:.2f}x"
+        if "packed" in row:
+            row["packed_vs_all"] = row["all"] / row["packed"]
+            cells += f"; all / packed = {row['packed_vs_all']:.2f}x"
         result[name] = row
         print(f"{name}: {cells}; pytorch / all = {row['speedup_all']:.2f}x")
     print(json.dumps(result))

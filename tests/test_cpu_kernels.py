@@ -15,9 +15,9 @@ from bulletserve.model import cpu_kernels
 from bulletserve.model.cpu_kernels import (
     decode_attention_kernel,
     fused_ops,
-    small_linear_kernel,
+    packed_linear_kernel,
 )
-from bulletserve.model.decoder import apply_rope
+from bulletserve.model.decoder import Linear, apply_rope
 
 
 def reference(q, k_cache, v_cache, tables, lens, block_size, scale):
@@ -129,45 +129,68 @@ def test_fused_ops_match_pytorch(dtype, tolerance):
 
 
 @pytest.mark.parametrize(("width", "out", "bias"), [(576, 960, False), (45, 19, True)])
-def test_small_linear_matches_pytorch_and_is_batch_invariant(width, out, bias):
-    # 45 inputs: a tail of 5 after the 8-wide vectors; 19 outputs: a column tail after the tiles.
-    kernel = small_linear_kernel(torch.float32, torch.device("cpu"))
+def test_packed_linear_matches_pytorch_and_is_batch_invariant(width, out, bias):
+    # 19 outputs: a block of 16 and a tail of 3; 400 rows: three row chunks of the kernel (192)
+    # and, below, every tile shape (6 rows and tails of 1-5).
+    kernel = packed_linear_kernel(torch.float32, torch.device("cpu"))
     if kernel is None:
         pytest.skip("no C compiler on this machine")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out, width, generator=generator)
     b = torch.randn(out, generator=generator) if bias else None
-    rows = kernel.max_rows()
-    x = torch.randn(rows, width, generator=generator)
-    full = kernel(x, weight, b)
+    packed = kernel.pack(weight)
+    assert packed.shape == (-(-out // 16), width, 16)
+    x = torch.randn(400, width, generator=generator)
+    full = kernel(x, packed, out, b)
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert torch.allclose(full.double(), expected, atol=1e-4, rtol=1e-4)
-    for part in range(1, rows):  # every tile and tail shape
-        assert torch.equal(kernel(x[:part].contiguous(), weight, b), full[:part])
-    assert kernel.fits(x) and not kernel.fits(torch.randn(rows + 1, width))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert kernel.max_rows() == kernel.rows_per_thread  # a one-thread lane's share
-    finally:
-        torch.set_num_threads(threads)
-    assert not kernel.fits(x.to(torch.bfloat16)) and not kernel.fits(x.t())
-    with pytest.raises(ValueError, match="contiguous fp32"):
-        kernel(x, weight.to(torch.bfloat16))
+    for rows in [*range(1, 14), 191, 193, 399]:
+        assert torch.equal(kernel(x[:rows], packed, out, b), full[:rows]), rows
+    assert torch.equal(kernel(x.view(8, 50, width), packed, out, b), full.view(8, 50, out))
+    with pytest.raises(ValueError, match="fp32"):
+        kernel(x.to(torch.bfloat16), packed, out)
+    with pytest.raises(ValueError, match="does not hold"):
+        kernel(x, packed, out + 16)
 
 
-def test_small_linear_is_fp32_on_the_cpu_only_and_kept_only_where_faster(monkeypatch):
+def test_packed_linear_is_fp32_on_the_cpu_only_and_kept_only_where_faster(monkeypatch):
     cpu = torch.device("cpu")
-    assert small_linear_kernel(torch.bfloat16, cpu) is None
-    assert small_linear_kernel(torch.float32, torch.device("meta")) is None
-    if small_linear_kernel(torch.float32, cpu) is None:
+    assert packed_linear_kernel(torch.bfloat16, cpu) is None
+    assert packed_linear_kernel(torch.float32, torch.device("meta")) is None
+    kernel = packed_linear_kernel(torch.float32, cpu)
+    if kernel is None:
         pytest.skip("no C compiler on this machine")
     weights = [torch.randn(16, 8)]
-    timed = cpu_kernels._time_linears(small_linear_kernel(torch.float32, cpu), weights)
-    assert all(seconds > 0 for seconds in timed)
-    for ours, pytorch, kept in [(1.0, 2.0, True), (2.0, 1.0, False)]:
-        monkeypatch.setattr(cpu_kernels, "_time_linears", lambda *_, t=(ours, pytorch): t)
-        assert (small_linear_kernel(torch.float32, cpu, weights) is not None) == kept
+    assert all(seconds > 0 for seconds in cpu_kernels._time_linears(kernel, weights, 3))
+    timed_rows = []
+
+    def timings(ours_at_small: float, ours_at_large: float):
+        def fake(_kernel, _weights, rows):
+            timed_rows.append(rows)
+            return (ours_at_small if rows < 100 else ours_at_large), 1.5
+
+        return fake
+
+    # PyTorch takes 1.5 at both; ours must be faster at decode rows, within 10% at prefill rows.
+    cases = [(1.0, 1.0, True), (1.0, 1.6, True), (1.0, 1.7, False), (1.6, 1.0, False)]
+    for small, large, kept in cases:
+        monkeypatch.setattr(cpu_kernels, "_time_linears", timings(small, large))
+        assert (packed_linear_kernel(torch.float32, cpu, weights) is not None) == kept
+    assert set(timed_rows) == {cpu_kernels.DECODE_ROWS, cpu_kernels.PREFILL_ROWS}
+
+
+@torch.inference_mode()
+def test_packed_linear_module_frees_its_weight_and_computes_the_same():
+    kernel = packed_linear_kernel(torch.float32, torch.device("cpu"))
+    if kernel is None:
+        pytest.skip("no C compiler on this machine")
+    torch.manual_seed(0)
+    module = Linear(40, 35, bias=True)
+    x = torch.randn(3, 7, 40)
+    expected = module(x)
+    module.use_packed(kernel)
+    assert "weight" not in dict(module.named_parameters())
+    assert torch.allclose(module(x), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_openmp_wait_policy_is_set_before_torch_loads_and_never_overrides_the_user():
@@ -184,7 +207,7 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     # A -ffast-math link would switch the process to flush-to-zero when the library loads.
     fused_ops(torch.float32, torch.device("cpu"))
     decode_attention_kernel(torch.float32, 64, 3, torch.device("cpu"))
-    small_linear_kernel(torch.float32, torch.device("cpu"))
+    packed_linear_kernel(torch.float32, torch.device("cpu"))
     tiny = torch.tensor(1e-40, dtype=torch.float32)
     assert (tiny * 1.0).item() != 0.0
     assert float(np.float32(1e-40) * np.float32(1.0)) != 0.0

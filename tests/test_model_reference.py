@@ -7,7 +7,8 @@ import torch
 
 from bulletserve.engine.runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
-from bulletserve.model.cpu_kernels import small_linear_kernel
+from bulletserve.model import loader
+from bulletserve.model.cpu_kernels import packed_linear_kernel
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from tests.tiny_models import make_hf_model
@@ -64,20 +65,26 @@ def test_single_prompt_logits_match(pair):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("kernels", ["ours", "pytorch"])
-def test_ragged_batch_from_paged_cache_matches(pair, kernels):
+def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_path):
     """A fresh prefill, a chunk after a cached prefix, and decodes, all in one step; through our
-    CPU kernels (decode attention, fused norms, RoPE, SiLU, small-row projections, the last
-    forced on whatever the load-time timing chose) and through PyTorch ops alone."""
+    CPU kernels (decode attention, fused norms, RoPE, SiLU, packed projections, the last forced
+    on whatever the load-time timing chose) and through PyTorch ops alone."""
     reference, runner = pair
+    linear = packed_linear_kernel(torch.float32, torch.device("cpu"))
+    if kernels == "ours" and (
+        runner.decode_kernel is None or runner.model.norm.ops is None or linear is None
+    ):
+        pytest.skip("our CPU kernels could not be built here")
+    # The model is loaded again with the packed kernel forced on or off: packing is one-way.
+    monkeypatch.setattr(
+        loader, "packed_linear_kernel", lambda *_: linear if kernels == "ours" else None
+    )
+    model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), 512)
+    assert (model.packed_linear is not None) == (kernels == "ours")
+    runner = ModelRunner(model, runner.pool, torch.device("cpu"))
     if kernels == "pytorch":
         runner.decode_kernel = None
         runner.model.use_fused_ops(None)
-        runner.model.use_small_linear(None)
-    else:
-        linear = small_linear_kernel(torch.float32, torch.device("cpu"))
-        if runner.decode_kernel is None or runner.model.norm.ops is None or linear is None:
-            pytest.skip("our CPU kernels could not be built here")
-        runner.model.use_small_linear(linear)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (11, 23, 9, 30)]
     tables = [runner.pool.allocator.allocate(-(-len(s) // 4)) for s in seqs]

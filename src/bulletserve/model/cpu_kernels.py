@@ -5,10 +5,11 @@
   padded tensor each layer and runs the generic SDPA kernel.
 - `csrc/cpu_ops.c`: the element-wise chains of a layer fused (residual add + RMSNorm, RoPE in
   place, SiLU * up), each one pass over the activations instead of five to ten PyTorch ops.
-- `csrc/small_linear.c`: fp32 projections of a few rows (a decode step's), one streaming pass
-  over the weights. Used only where it times faster than PyTorch's own GEMM on this machine
-  (`small_linear_kernel` checks at load): on AMD CPUs PyTorch's MKL runs these shapes far below
-  the memory bandwidth.
+- `csrc/packed_linear.c`: fp32 projections from weights packed once at load into blocks of 16
+  output columns, a register-blocked GEMM for any number of rows. Used only where it times
+  faster than PyTorch's own GEMM on this machine at a decode step's rows and a prefill's
+  (`packed_linear_kernel` checks at load): on AMD CPUs PyTorch's MKL runs fp32 projections
+  well below the machine's peak.
 
 They are compiled with the system C compiler for this machine (`-march=native`) and cached under
 the bulletserve cache folder; the attention kernel per head shape, so that its loops unroll.
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import platformdirs
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -173,92 +175,109 @@ def decode_attention_kernel(
     return DecodeAttentionKernel(_function(library, name, argtypes, ctypes.c_int))
 
 
+PACKED_BLOCK_COLS = 16  # csrc/packed_linear.c's BLOCK_COLS
+
+
 @dataclass(frozen=True)
-class SmallLinearKernel:
-    """y = x W^T (+ bias) for contiguous fp32 x of at most `max_rows()` rows."""
+class PackedLinearKernel:
+    """y = x W^T (+ bias) in fp32, with W in the layout `pack` gives."""
 
     function: ctypes._CFuncPtr
-    rows_per_thread: int
 
-    def max_rows(self) -> int:
-        """The most rows it takes on the calling thread's intra-op threads."""
-        return self.rows_per_thread * torch.get_num_threads()
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return (
-            x.dim() == 2
-            and x.shape[0] <= self.max_rows()
-            and x.dtype == torch.float32
-            and x.is_contiguous()
-        )
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """[out, in] -> [ceil(out / 16), in, 16]: for each block of 16 output columns, their
+        weights k by k (zero past `out`)."""
+        if weight.dim() != 2 or weight.dtype != torch.float32:
+            raise ValueError(f"weight must be fp32 [out, in], got {weight.dtype} {weight.shape}")
+        out, width = weight.shape
+        blocks = -(-out // PACKED_BLOCK_COLS)
+        padded = F.pad(weight, (0, 0, 0, blocks * PACKED_BLOCK_COLS - out))
+        return padded.view(blocks, PACKED_BLOCK_COLS, width).transpose(1, 2).contiguous()
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rows, width = x.shape
-        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape[1] != width:
-            raise ValueError(f"weight must be contiguous fp32 [out, {width}], got {weight.shape}")
-        out = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+        """x: fp32 [..., in]; packed: `pack`'s [ceil(out_features / 16), in, 16]."""
+        width = packed.shape[1]
+        if x.dtype != torch.float32 or x.shape[-1] != width:
+            raise ValueError(f"x must be fp32 [..., {width}], got {x.dtype} {x.shape}")
+        if packed.shape != (-(-out_features // PACKED_BLOCK_COLS), width, PACKED_BLOCK_COLS):
+            raise ValueError(f"packed weight {packed.shape} does not hold {out_features} outputs")
+        rows_in = x.reshape(-1, width).contiguous()
+        out = torch.empty((rows_in.shape[0], out_features), dtype=torch.float32)
         bias = None if bias is None else bias.contiguous()  # held until the call returns
         self.function(
-            x.data_ptr(),
-            weight.data_ptr(),
+            rows_in.data_ptr(),
+            packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
-            rows,
+            rows_in.shape[0],
             width,
-            weight.shape[0],
+            out_features,
             torch.get_num_threads(),
         )
-        return out
+        return out.view(*x.shape[:-1], out_features)
 
 
-# Past about 12 rows per thread PyTorch's GEMM caught up on the AMD EPYC it was measured on
-# (a whole step's projections, scripts/small_linear_rows.py: 1 thread 1.27x at 12 rows, 1.12x
-# at 16, 0.93x at 24; 2 threads 1.25x at 24, 1.08x at 32; docs/benchmarks.md "Small-row
-# linear kernel").
-SMALL_LINEAR_ROWS_PER_THREAD = 12
+# The loader times the kernel against PyTorch's GEMM at a decode step's rows and at a prefill's.
+# Packing is one-way (the [out, in] copy is freed, so the kernel then runs every projection): it
+# is used where it is faster at decode rows and at most 10% slower at prefill rows (where both
+# run near the cores' peak; decode steps are the many).
+DECODE_ROWS, PREFILL_ROWS = 8, 256
+PREFILL_SLOWDOWN_ALLOWED = 1.1
 
 
-def small_linear_kernel(
+def packed_linear_kernel(
     dtype: torch.dtype, device: torch.device, weights: list[torch.Tensor] | None = None
-) -> SmallLinearKernel | None:
-    """The small-row fp32 linear kernel where it can be used, else None. Given `weights` (a
-    decode step's projections), only where it beats PyTorch's GEMM on them on this machine
-    (timed at its most rows on the calling thread, alternately with `F.linear`)."""
+) -> PackedLinearKernel | None:
+    """The packed fp32 linear kernel where it can be used, else None. Given `weights` (one
+    layer's projections), only where it beats PyTorch's GEMM on them on this machine at decode
+    rows and keeps within `PREFILL_SLOWDOWN_ALLOWED` of it at prefill rows (timed alternately
+    with `F.linear` on the calling thread)."""
     if dtype != torch.float32 or not kernels_enabled(dtype, device):
         return None
-    library = _library("small_linear")
+    library = _library("packed_linear")
     if library is None:
         return None
-    function = _function(library, "small_linear_f32", [_ptr] * 4 + [_long] * 3 + [_int])
-    kernel = SmallLinearKernel(function, SMALL_LINEAR_ROWS_PER_THREAD)
+    function = _function(library, "packed_linear_f32", [_ptr] * 4 + [_long] * 3 + [_int])
+    kernel = PackedLinearKernel(function)
     if weights is None:
         return kernel
-    ours, pytorch = _time_linears(kernel, weights)
+    timings = {rows: _time_linears(kernel, weights, rows) for rows in (DECODE_ROWS, PREFILL_ROWS)}
+    (decode, decode_base), (prefill, prefill_base) = timings.values()
+    faster = decode < decode_base and prefill <= PREFILL_SLOWDOWN_ALLOWED * prefill_base
     log.info(
-        "small-row linear kernel: %.2f ms vs PyTorch %.2f ms for one step's projections; %s",
-        ours * 1e3,
-        pytorch * 1e3,
-        "using it" if ours < pytorch else "not using it",
+        "packed linear kernel vs PyTorch on one layer's projections: %s; %s",
+        ", ".join(
+            f"{rows} rows {o * 1e3:.2f} vs {p * 1e3:.2f} ms" for rows, (o, p) in timings.items()
+        ),
+        "using it" if faster else "not using it",
     )
-    return kernel if ours < pytorch else None
+    return kernel if faster else None
 
 
 def _time_linears(
-    kernel: SmallLinearKernel, weights: list[torch.Tensor], repeats: int = 5
+    kernel: PackedLinearKernel, weights: list[torch.Tensor], rows: int, repeats: int = 5
 ) -> tuple[float, float]:
-    """Median seconds of one pass over `weights` at `kernel.max_rows()` rows: (ours, PyTorch)."""
+    """Median seconds of one pass over `weights` at `rows` rows: (ours, PyTorch)."""
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(kernel.max_rows(), w.shape[1], generator=generator) for w in weights]
-    paths = {"ours": kernel, "pytorch": torch.nn.functional.linear}
-    times: dict[str, list[float]] = {name: [] for name in paths}
+    inputs = [torch.randn(rows, w.shape[1], generator=generator) for w in weights]
+    packed = [(kernel.pack(w), w.shape[0]) for w in weights]
+    times: dict[str, list[float]] = {"ours": [], "pytorch": []}
     for _ in range(repeats + 1):  # the first round warms caches and thread teams up
-        for name, path in paths.items():
-            start = time.perf_counter()
-            for x, weight in zip(inputs, weights, strict=True):
-                path(x, weight)
-            times[name].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for x, (p, out) in zip(inputs, packed, strict=True):
+            kernel(x, p, out)
+        times["ours"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for x, weight in zip(inputs, weights, strict=True):
+            F.linear(x, weight)
+        times["pytorch"].append(time.perf_counter() - start)
     return statistics.median(times["ours"][1:]), statistics.median(times["pytorch"][1:])
 
 

@@ -5,8 +5,8 @@ two large GEMMs instead of five small ones. `load_hf_weights` takes Hugging Face
 The residual stream is carried beside each layer's output (as in vLLM) so that the residual add
 and the next RMSNorm are one fused op; on the CPU, `use_fused_ops` turns our C kernels on for
 those (keeping the stream in fp32), RoPE and SiLU * up, and every module keeps its PyTorch path
-for other devices. `use_small_linear` runs projections of a few rows (decode steps) through
-our fp32 CPU GEMM kernel where the loader found it faster.
+for other devices. `use_packed_linear` packs the projection weights for our fp32 CPU GEMM kernel
+where the loader found it faster, and runs every projection through it.
 """
 
 from __future__ import annotations
@@ -22,19 +22,27 @@ from torch import nn
 
 from bulletserve.model.attention import AttentionMetadata, paged_attention
 from bulletserve.model.config import ModelConfig, RopeScaling
-from bulletserve.model.cpu_kernels import FusedOps, SmallLinearKernel
+from bulletserve.model.cpu_kernels import FusedOps, PackedLinearKernel
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose inputs of a few rows go through our CPU kernel when one is set."""
+    """nn.Linear that can hand its weight over to our packed CPU GEMM kernel."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.small: SmallLinearKernel | None = None
+        self.kernel: PackedLinearKernel | None = None
+
+    def use_packed(self, kernel: PackedLinearKernel) -> None:
+        """Replace the weight with its packed form and run through `kernel` from now on. One-way:
+        the [out, in] weight is freed (memory stays that of one copy)."""
+        packed = kernel.pack(self.weight.detach())
+        del self.weight
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and self.small.fits(x):
-            return self.small(x, self.weight, self.bias)
+        if self.kernel is not None:
+            return self.kernel(x, self.packed_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -226,7 +234,7 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.small_linear: SmallLinearKernel | None = None
+        self.packed_linear: PackedLinearKernel | None = None
 
     def reset_rotary(self, device: torch.device, max_positions: int) -> None:
         """Rebuild the cos/sin tables on `device` (after construction on the meta device)."""
@@ -238,24 +246,27 @@ class DecoderLM(nn.Module):
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.ops = ops
 
-    def use_small_linear(self, kernel: SmallLinearKernel | None) -> None:
-        """Run projections of at most `kernel.max_rows()` rows, the LM head's too, through our
-        CPU GEMM kernel (None: PyTorch's)."""
-        self.small_linear = kernel
+    def use_packed_linear(self, kernel: PackedLinearKernel) -> None:
+        """Pack every projection's weight, the LM head's too, for our CPU GEMM kernel; one-way
+        (a tied LM head keeps the embedding and gets a packed copy)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.small = kernel
+                module.use_packed(kernel)
+        self.register_buffer(
+            "packed_lm_head", kernel.pack(self.lm_head_weight.detach()), persistent=False
+        )
+        if not self.config.tie_word_embeddings:
+            del self.lm_head
+        self.packed_linear = kernel
 
-    def decode_projection_weights(self) -> list[torch.Tensor]:
-        """The weights one decode step multiplies by, per layer once: the first layer's and the
-        LM head's."""
+    def layer_projection_weights(self) -> list[torch.Tensor]:
+        """The first layer's projection weights (what the loader times the kernel on)."""
         layer = self.layers[0]
         return [
             layer.self_attn.qkv_proj.weight,
             layer.self_attn.o_proj.weight,
             layer.mlp.gate_up_proj.weight,
             layer.mlp.down_proj.weight,
-            self.lm_head_weight,
         ]
 
     @property
@@ -286,8 +297,8 @@ class DecoderLM(nn.Module):
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the selected token rows (the last token of each sampling sequence)."""
         selected = self.norm(hidden.index_select(0, rows))
-        if self.small_linear is not None and self.small_linear.fits(selected):
-            return self.small_linear(selected, self.lm_head_weight)
+        if self.packed_linear is not None:
+            return self.packed_linear(selected, self.packed_lm_head, self.config.vocab_size)
         return F.linear(selected, self.lm_head_weight).float()
 
     @torch.inference_mode()

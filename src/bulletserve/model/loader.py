@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bulletserve.model.config import ModelConfig
-from bulletserve.model.cpu_kernels import fused_ops, small_linear_kernel
+from bulletserve.model.cpu_kernels import fused_ops, packed_linear_kernel
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.gguf_reader import read_gguf
 from bulletserve.model.presets import get_preset
@@ -67,8 +67,10 @@ def load_model(
     device: torch.device,
     max_positions: int,
     seed: int = 0,
+    pack_linear: bool = True,
 ) -> DecoderLM:
-    """A model ready to run, with weights of `dtype` on `device`."""
+    """A model ready to run, with weights of `dtype` on `device`. `pack_linear=False` keeps
+    PyTorch's GEMM for the projections even where our packed kernel would be faster."""
     config = load_config(source)
     with torch.device("meta"):
         model = DecoderLM(config, max_positions)
@@ -83,9 +85,13 @@ def load_model(
         model.load_hf_weights(_safetensors_weights(folder))
     model.use_fused_ops(fused_ops(dtype, device))
     with torch.inference_mode():
-        model.use_small_linear(
-            small_linear_kernel(dtype, device, model.decode_projection_weights())
+        linear = (
+            packed_linear_kernel(dtype, device, model.layer_projection_weights())
+            if pack_linear
+            else None
         )
+        if linear is not None:
+            model.use_packed_linear(linear)
     if device.type == "cuda":
         # The lanes run on streams of their own, which do not wait for the default stream.
         torch.cuda.synchronize(device)

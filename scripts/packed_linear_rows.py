@@ -1,11 +1,11 @@
-"""Our small-row fp32 linear kernel against PyTorch's GEMM, by row count and thread count.
+"""Our packed fp32 linear kernel against PyTorch's GEMM, by row count and thread count.
 
-One pass over every projection of the default model's decode step (30 layers x qkv, o,
-gate/up, down, then the LM head; 540 MB in fp32, so the weights stream from memory as in a
-served step), through `F.linear` and through `small_linear_f32` directly (whatever its
-`rows_per_thread` limit), alternated; medians of the rounds after a warm-up one.
+One pass over every projection of the default model's step (30 layers x qkv, o, gate/up, down,
+then the LM head; 540 MB in fp32, so the weights stream from memory as in a served step),
+through `F.linear` and through the kernel on the same weights packed, alternated; medians of the
+rounds after a warm-up one, and what they compute (GFLOP/s).
 
-    .venv/bin/python scripts/small_linear_rows.py --rows 1,4,8,12,16,24,32 --rounds 4
+    .venv/bin/python scripts/packed_linear_rows.py --rows 1,8,16,24,32,64,256 --rounds 4
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bulletserve.model.cpu_kernels import small_linear_kernel
+from bulletserve.model.cpu_kernels import packed_linear_kernel
 from bulletserve.model.presets import get_preset
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,4,8,12,16,24,32")
+    parser.add_argument("--rows", default="1,8,16,24,32,64,256")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
 
-    kernel = small_linear_kernel(torch.float32, torch.device("cpu"))
+    kernel = packed_linear_kernel(torch.float32, torch.device("cpu"))
     if kernel is None:
         raise SystemExit("the kernel could not be built here (see the warning above)")
     c = get_preset("smollm2-135m")
@@ -40,16 +40,18 @@ def main() -> None:
     ]
     shapes = layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
     weights = [torch.randn(shape) for shape in shapes]
+    packed = [(kernel.pack(weight), weight.shape[0]) for weight in weights]
+    flops_per_row = 2 * sum(out * width for out, width in shapes)
 
     def ours(inputs: list[torch.Tensor]) -> None:
-        for x, weight in zip(inputs, weights, strict=True):
-            kernel(x, weight)
+        for x, (weight, out) in zip(inputs, packed, strict=True):
+            kernel(x, weight, out)
 
     def pytorch(inputs: list[torch.Tensor]) -> None:
         for x, weight in zip(inputs, weights, strict=True):
             F.linear(x, weight)
 
-    print("threads rows  pytorch ms  ours ms  pytorch / ours")
+    print("threads rows  pytorch ms  ours ms  pytorch / ours  pytorch GFLOP/s  ours GFLOP/s")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in (int(r) for r in args.rows.split(",")):
@@ -61,7 +63,11 @@ def main() -> None:
                     path(inputs)
                     times[name].append(time.perf_counter() - start)
             base, mine = (statistics.median(times[k][1:]) * 1e3 for k in ("pytorch", "ours"))
-            print(f"{threads:7d} {rows:4d} {base:11.1f} {mine:8.1f} {base / mine:15.2f}")
+            rate = flops_per_row * rows / 1e6
+            print(
+                f"{threads:7d} {rows:4d} {base:11.1f} {mine:8.1f} {base / mine:15.2f} "
+                f"{rate / base:16.0f} {rate / mine:13.0f}"
+            )
 
 
 if __name__ == "__main__":
