@@ -14,6 +14,12 @@ Engine settings default to `bullet serve`'s; the KV pool is unbounded unless
 (`scripts/bench_lanes_cpu.py --interleave --profile-each-run`), so that the machine's speed of
 the moment, which swung 2x within half an hour, is not counted against the simulator.
 
+--served-speed (a diagnostic, not the fidelity test): scale each run's predicted steps, per
+phase, by the median measured / predicted ratio of that run's own served steps (its lines of
+LABEL.steps.jsonl beside the result, re-predicted from the state each line records on the run's
+profile). The machine's speed during the run is then given rather than predicted; what is left
+to differ is the simulator's scheduling, batching and queueing.
+
 --group: the files are repeats of the same sweeps (several runs of each label, e.g. the same
 configuration from different days); each figure is then the median over the runs that have its
 rate, measured and simulated, beside the measured runs' own spread (largest over smallest, -1):
@@ -31,6 +37,8 @@ import tempfile
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+
+from served_vs_profile import runs_of
 
 from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult, load_result
@@ -121,6 +129,39 @@ class HostTaxedPerfModel(CachedPerfModel):
         )
 
 
+class ScaledPerfModel(CachedPerfModel):
+    """Diagnostic: every predicted step of a phase `factors[phase]` times the profile's."""
+
+    def __init__(self, perf: CachedPerfModel, factors: dict[str, float]) -> None:
+        super().__init__(perf.cfg, perf.hw, perf.dtype)
+        self.factors = factors
+
+    def predict(self, es: ExecutionState) -> StepPrediction:
+        base = super().predict(es)
+        return StepPrediction(
+            prefill_s=base.prefill_s * self.factors["prefill"],
+            decode_s=base.decode_s * self.factors["decode"],
+        )
+
+
+def served_speed(steps: list[dict], perf: CachedPerfModel) -> dict[str, float]:
+    """Per phase (a decode step; a prefill, layer group or fused chunked step), the median of
+    measured / predicted over a served run's step-log lines, each predicted from its state."""
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for step in steps:
+        if "state" not in step:
+            raise SystemExit(
+                "--served-speed: the step log's lines carry no `state` (it was written before "
+                "the engines logged one, 2026-12-01): rerun the sweep"
+            )
+        prediction = perf.predict(ExecutionState.from_json(step["state"]))
+        phase = "decode" if step["lane"] == "decode" else "prefill"
+        predicted = prediction.decode_s if phase == "decode" else prediction.prefill_s
+        if predicted > 0:
+            ratios[phase].append(step["measured_s"] / predicted)
+    return {phase: statistics.median(ratios[phase] or [1.0]) for phase in ("prefill", "decode")}
+
+
 def run_profile(path: Path, label: str, rate: float) -> str:
     """The profile taken right before the run of `label` at `rate` (`scripts/bench_lanes_cpu.py
     --profile-each-run`), beside the measured result file."""
@@ -137,10 +178,20 @@ def simulate_like(
     policy: str | None,
     host_ms_per_row: float = 0.0,
     path: Path | None = None,
+    speed_from: Path | None = None,
 ) -> BenchResult:
     """The measured result replayed run by run; with `path` (the result's file), each run on
-    the profile taken right before it."""
+    the profile taken right before it; with `speed_from` (the result's file), at the served
+    run's own speed (see --served-speed)."""
     name, chunk = (policy, base.chunked_prefill_size) if policy else policy_of(result.label)
+    served_steps: dict[float, list[dict]] = {}
+    if speed_from is not None:
+        # A label's step log holds its runs in the order their rates ran, ascending.
+        rates = sorted(run.request_rate for run in result.runs)
+        logged = runs_of(speed_from.parent / f"{result.label}.steps.jsonl")
+        if len(logged) != len(rates):
+            raise SystemExit(f"{speed_from}: {len(rates)} runs, {len(logged)} in its step log")
+        served_steps = dict(zip(rates, logged, strict=True))
     runs = []
     for run in result.runs:
         config = replace(
@@ -161,6 +212,13 @@ def simulate_like(
         env = setup(config)
         if host_ms_per_row:
             env = replace(env, perf=HostTaxedPerfModel(env.perf, host_ms_per_row / 1e3))
+        if served_steps:
+            factors = served_speed(served_steps[run.request_rate], env.perf)
+            print(
+                f"{result.label} at {run.request_rate:g} req/s: served / predicted steps, "
+                f"prefill {factors['prefill']:.2f}, decode {factors['decode']:.2f}"
+            )
+            env = replace(env, perf=ScaledPerfModel(env.perf, factors))
         runs.append(
             simulate_requests(config, env, make_sim_policy(config, env), requests, run.request_rate)
         )
@@ -232,6 +290,7 @@ def per_run_table(
     per_row: float,
     out_dir: Path | None,
     profile_per_run: bool = False,
+    speed: bool = False,
 ) -> float:
     """Each measured run beside its replay; returns the largest difference."""
     print("| measured run | rate | metric | measured | simulated | difference |")
@@ -239,7 +298,14 @@ def per_run_table(
     worst, misses, figures = 0.0, 0, 0
     for path in paths:
         result = load_result(path)
-        simulated = simulate_like(result, base, policy, per_row, path if profile_per_run else None)
+        simulated = simulate_like(
+            result,
+            base,
+            policy,
+            per_row,
+            path if profile_per_run else None,
+            path if speed else None,
+        )
         if out_dir:
             out_dir.mkdir(parents=True, exist_ok=True)
             simulated.save(out_dir / f"sim-{path.name}")
@@ -337,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         help="what-if: host time per batch row added to every step (see HostTaxedPerfModel)",
     )
     parser.add_argument(
+        "--served-speed",
+        action="store_true",
+        help="diagnostic: each run at its served steps' own measured / predicted speed (above)",
+    )
+    parser.add_argument(
         "--group",
         action="store_true",
         help="the files repeat the same sweeps: compare medians per label and rate (see above)",
@@ -354,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--profile-per-run takes no --step-overhead-ms")
     elif not args.profile:
         parser.error("--profile is required (or --profile-per-run)")
+    if args.served_speed and (args.group or args.host_ms_per_row or args.slowdown != 1.0):
+        parser.error("--served-speed takes no --group, --host-ms-per-row or --slowdown")
     if args.isolated:
         isolated_table(args.isolated, args.profile, args.model, args.dtype)
         print()
@@ -380,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             args.host_ms_per_row,
             args.out_dir,
             args.profile_per_run,
+            args.served_speed,
         )
     print(f"largest difference {worst:.1%} (target {TARGET:.0%}; ** marks misses)")
     if profile != args.profile:

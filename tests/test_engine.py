@@ -10,6 +10,7 @@ import pytest
 from bulletserve import LLM, SamplingParams
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
+from bulletserve.perf.state import ExecutionState
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
 
@@ -266,6 +267,14 @@ def test_the_single_lane_engine_writes_a_step_log(tiny_llama_dir, tmp_path, poli
     for r in records:
         assert r["measured_s"] > 0 and r["batch_size"] >= 1
         assert r["split"] == [2 if r["prefill_tokens"] else 0, 2 if r["decode_seqs"] else 0]
+        # The step as the performance model describes it (a fused step: one prefill row per
+        # decode, on top of its context).
+        es = ExecutionState.from_json(r["state"])
+        if r["lane"] == "decode":
+            assert (es.decode_batch, es.decode_units, es.prefill_lens) == (r["decode_seqs"], 2, ())
+        else:
+            assert (es.prefill_tokens, es.prefill_units) == (r["tokens"], 2)
+            assert len(es.prefill_lens) == r["batch_size"]
         if not r["prefill_tokens"]:
             assert r["lane"] == "decode"
         else:

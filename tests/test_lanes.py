@@ -13,6 +13,7 @@ import torch
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.partition.cpu import use_one_thread
+from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import SPLIT_RULES, Split, parse_partition
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
@@ -61,6 +62,11 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
         assert 0 < record["runner_s"] <= record["measured_s"]  # the model's time within the step
         assert len(record["split"]) == 2
         assert record["rule"] in SPLIT_RULES
+        es = ExecutionState.from_json(record["state"])
+        if record["lane"] == "decode":
+            assert es.decode_batch == record["batch_size"]
+        else:
+            assert es.prefill_tokens == record["tokens"]
     if settings.get("partition", "auto") != "auto":
         assert {r["rule"] for r in records} <= {"none", "static", "no-prefill", "no-decode"}
     layer_ranges = [tuple(r["layers"]) for r in records if r["lane"] == "prefill"]

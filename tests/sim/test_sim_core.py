@@ -145,6 +145,19 @@ def test_prefill_first_never_mixes_phases_and_chunked_does(tmp_path):
     assert all(r["tokens"] <= 512 for r in chunked)
 
 
+@pytest.mark.parametrize(("policy", "chunk"), [("prefill-first", None), ("chunked", 512)])
+def test_a_single_lane_step_log_state_is_the_one_predicted(tmp_path, policy, chunk):
+    config = _config(policy, chunk, noise=0.0)
+    perf = setup(config).perf
+    steps = _step_log(tmp_path, policy, chunk, noise=0.0)
+    for r in steps:
+        es = ExecutionState.from_json(r["state"])
+        prediction = perf.predict(es)
+        phase_s = prediction.decode_s if r["lane"] == "decode" else prediction.prefill_s
+        assert phase_s == pytest.approx(r["predicted_s"], rel=1e-12)
+        assert es.prefill_tokens + (es.decode_batch if r["lane"] == "decode" else 0) == r["tokens"]
+
+
 def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
     steps = _step_log(tmp_path, "bullet", None, noise=0.0, request_rates=(40.0,))
     for r in steps:
@@ -155,6 +168,12 @@ def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
         # (a lane whose share is 0 does not start).
         share = r["split"][0] if r["lane"] == "prefill" else r["split"][1]
         assert share > 0 and r["units"] == share
+        # The state logged is the lanes' when the step started: this lane's batch on its share.
+        es = ExecutionState.from_json(r["state"])
+        if r["lane"] == "prefill":
+            assert (es.prefill_tokens, es.prefill_units) == (r["tokens"], share)
+        else:
+            assert (es.decode_batch, es.decode_units) == (r["batch_size"], share)
     spans = {
         lane: [(r["time"] - r["measured_s"], r["time"]) for r in steps if r["lane"] == lane]
         for lane in ("prefill", "decode")

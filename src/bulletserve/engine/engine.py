@@ -38,6 +38,7 @@ from bulletserve.model.loader import load_config, load_model, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
 from bulletserve.partition import usable_cores
+from bulletserve.perf.state import fused_step_state
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot, SeqView, StepPlan
 
@@ -225,14 +226,18 @@ class LLMEngine:
             self.running.append(request)
             by_id[request_id] = request
         works = []
-        decodes = 0  # sequences feeding back their last sampled token
+        prefill_chunks: list[tuple[int, int]] = []  # (new tokens, cached tokens)
+        decode_ctx: list[int] = []  # sequences feeding back their last sampled token
         now = time.monotonic()
         for item in plan.scheduled:
             request = by_id[item.request_id]
             self._grow_blocks(request, request.num_computed_tokens + item.num_tokens)
             start = request.num_computed_tokens
             end = start + item.num_tokens
-            decodes += bool(request.output_token_ids) and start == request.num_tokens - 1
+            if request.output_token_ids and start == request.num_tokens - 1:
+                decode_ctx.append(end)
+            else:
+                prefill_chunks.append((item.num_tokens, start))
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
             works.append(
@@ -246,7 +251,7 @@ class LLMEngine:
         started = time.perf_counter()
         logits, sampling = self.runner.execute(works)
         if self._step_log:
-            self._log_step(works, decodes, started)
+            self._log_step(prefill_chunks, decode_ctx, started)
         for item in plan.scheduled:
             request = by_id[item.request_id]
             request.num_computed_tokens += item.num_tokens
@@ -263,24 +268,30 @@ class LLMEngine:
             outputs.append(self._output(request))
         return outputs
 
-    def _log_step(self, works: list[SeqWork], decodes: int, started: float) -> None:
+    def _log_step(
+        self, prefill_chunks: list[tuple[int, int]], decode_ctx: list[int], started: float
+    ) -> None:
         """One step-log line in the simulator's single-lane form (no prediction: this engine
-        has no performance model): a step with prefill chunks and decodes is `hybrid`, and the
-        split gives every unit to the phases that ran. `started`: the step's perf_counter."""
+        has no performance model): a step with prefill chunks and decodes is `hybrid`, the
+        split gives every unit to the phases that ran, and `state` is the step as the
+        performance model describes it (what a profile's prediction for it takes). `started`:
+        the step's perf_counter."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's device time, not its launch time
         measured = time.perf_counter() - started
-        prefill_tokens = sum(len(w.token_ids) for w in works) - decodes
+        prefill_tokens = sum(n for n, _ in prefill_chunks)
+        decodes = len(decode_ctx)
         lane = ("hybrid" if decodes else "prefill") if prefill_tokens else "decode"
         units = self._log_units()
         record = {
             "time": time.monotonic(),
             "lane": lane,
             "split": [units if prefill_tokens else 0, units if decodes else 0],
-            "batch_size": len(works),
+            "batch_size": len(prefill_chunks) + decodes,
             "tokens": prefill_tokens + decodes,
             "prefill_tokens": prefill_tokens,
             "decode_seqs": decodes,
+            "state": fused_step_state(prefill_chunks, decode_ctx, units)[0].to_json(),
             "measured_s": measured,
         }
         self._step_log.write(json.dumps(record) + "\n")

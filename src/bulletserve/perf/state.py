@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -43,3 +43,37 @@ class ExecutionState:
     @property
     def decode_batch(self) -> int:
         return len(self.decode_ctx)
+
+    def to_json(self) -> dict:
+        """The state as the step log writes it (lists for tuples)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ExecutionState:
+        """The state a step log line holds (`to_json`'s form)."""
+        known = {f.name for f in fields(cls)}
+        return cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+        )
+
+
+def fused_step_state(
+    prefill: list[tuple[int, int]], decode_ctx: list[int], units: int
+) -> tuple[ExecutionState, str]:
+    """The state of one single-lane step on every unit, and the phase whose time it takes.
+
+    `prefill` holds (new tokens, cached tokens) per prefill chunk, `decode_ctx` each decoding
+    request's context including the token it feeds. A step with both is one fused batch
+    (chunked prefill's hybrid step): it is modeled as a prefill whose rows are the chunks plus
+    one token per decode on top of that decode's cached context.
+    """
+    if not prefill:
+        return ExecutionState(decode_ctx=tuple(decode_ctx), decode_units=units), "decode"
+    lens = tuple(n for n, _ in prefill) + (1,) * len(decode_ctx)
+    cached = tuple(c for _, c in prefill) + tuple(c - 1 for c in decode_ctx)
+    state = ExecutionState(
+        prefill_lens=lens,
+        prefill_cached=cached if any(cached) else (),
+        prefill_units=units,
+    )
+    return state, "prefill"

@@ -44,25 +44,3 @@ class Noise:
 
     def factor(self) -> float:
         return self._rng.lognormvariate(0.0, self.sigma) if self.sigma else 1.0
-
-
-def fused_step_state(
-    prefill: list[tuple[int, int]], decode_ctx: list[int], units: int
-) -> tuple[ExecutionState, str]:
-    """The state of one single-lane step on every unit, and the phase whose time it takes.
-
-    `prefill` holds (new tokens, cached tokens) per prefill chunk, `decode_ctx` each decoding
-    request's context including the token it feeds. A step with both is one fused batch
-    (chunked prefill's hybrid step): it is modeled as a prefill whose rows are the chunks plus
-    one token per decode on top of that decode's cached context.
-    """
-    if not prefill:
-        return ExecutionState(decode_ctx=tuple(decode_ctx), decode_units=units), "decode"
-    lens = tuple(n for n, _ in prefill) + (1,) * len(decode_ctx)
-    cached = tuple(c for _, c in prefill) + tuple(c - 1 for c in decode_ctx)
-    state = ExecutionState(
-        prefill_lens=lens,
-        prefill_cached=cached if any(cached) else (),
-        prefill_units=units,
-    )
-    return state, "prefill"

@@ -52,6 +52,7 @@ class LaneStep:
     duration: float = 0.0
     host_s: float = 0.0  # the engine's host time in the step, which contention does not stretch
     busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
+    state: ExecutionState | None = None  # both lanes when the step started, for the step log
 
     @property
     def end(self) -> float:
@@ -211,6 +212,7 @@ class LanedSimulator:
         samples = lane == "decode" or step.layers[1] == self.num_layers
         step.host_s = self.perf.host_s(len(step.requests) if samples else 0)
         self.steps[lane] = step
+        step.state = self._execution_state()
         self._rerate(step.started)
 
     def _rerate(self, now: float) -> None:
@@ -256,6 +258,7 @@ class LanedSimulator:
             "rule": step.split.rule,
             "units": step.units,
             "batch_size": len(step.requests),
+            "state": step.state.to_json() if step.state else None,
             "predicted_s": step.busy_s,
             "measured_s": now - step.started,
         }

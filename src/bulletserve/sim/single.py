@@ -8,8 +8,9 @@ the next arrival.
 
 from __future__ import annotations
 
+from bulletserve.perf.state import fused_step_state
 from bulletserve.sched.base import Policy, SchedulerSnapshot
-from bulletserve.sim.device import CachedPerfModel, Noise, fused_step_state
+from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.state import SimState
 
 
@@ -84,6 +85,7 @@ def run_single_lane(
                 "tokens": plan.num_tokens,
                 "prefill_tokens": sum(n for n, _ in prefill),
                 "decode_seqs": len(decode_ctx),
+                "state": es.to_json(),
                 "predicted_s": predicted,
                 "measured_s": measured,
             }
