@@ -19,7 +19,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from served_vs_profile import runs_with_profiles
+from served_vs_profile import profile_dtype, runs_with_profiles
 
 from bulletserve.engine.runner import padded_rows
 from bulletserve.model.presets import get_preset
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--labels", default="bullet,prefill-first")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--padded", action="store_true")
+    parser.add_argument("--dtype", help="default: the dtype the profiles measured")
     args = parser.parse_args()
     cfg = get_preset(args.model)
     # bucket -> (served / predicted, served ms, predicted ms) per step
@@ -45,7 +46,7 @@ def main() -> None:
         seen: set[tuple[int, int]] = set()  # (rows, threads) the label's server has run
         for _, steps, profile in runs_with_profiles(args.sweep, label):
             hw = HardwareProfile.load(profile)
-            perf = PerfModel(cfg, hw, "bfloat16")
+            perf = PerfModel(cfg, hw, profile_dtype(hw, args.dtype))
             for s in steps:
                 shape = step_shape(s, hw.units, args.padded)
                 before = shape in seen

@@ -54,6 +54,15 @@ def runs_with_profiles(sweep: Path, label: str) -> list[tuple[float, list[dict],
     return [(rate, steps, profiles[rate]) for rate, steps in zip(rates, runs, strict=True)]
 
 
+def profile_dtype(hw: HardwareProfile, requested: str | None) -> str:
+    """The dtype to predict in: `requested`, else the one the profile measured."""
+    if requested:
+        return requested
+    if len(hw.peak_flops) != 1:
+        raise SystemExit(f"the profile has {sorted(hw.peak_flops)}: pass --dtype")
+    return next(iter(hw.peak_flops))
+
+
 def is_full_decode(step: dict, total_units: int) -> bool:
     rows = step.get("decode_seqs", step["batch_size"])
     return (
@@ -69,6 +78,7 @@ def main() -> None:
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--labels", default="bullet,prefill-first,chunked-512")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", help="default: the dtype the profiles measured")
     args = parser.parse_args()
     cfg = get_preset(args.model)
     print("| config | rate | served ms (steps) | profile before ms | served / profile |")
@@ -80,7 +90,7 @@ def main() -> None:
             hw = HardwareProfile.load(profile)
             served = [s["measured_s"] * 1e3 for s in steps if is_full_decode(s, hw.units)]
             es = ExecutionState(decode_ctx=(150,) * 12, decode_units=hw.units)
-            predicted = PerfModel(cfg, hw, "bfloat16").predict(es).decode_s * 1e3
+            predicted = PerfModel(cfg, hw, profile_dtype(hw, args.dtype)).predict(es).decode_s * 1e3
             if not served:
                 continue
             median = statistics.median(served)
