@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -73,6 +74,21 @@ def policy_of(label: str) -> tuple[str, int | None]:
         size = name.removeprefix("chunked").strip("-_")
         return "chunked", int(size) if size.isdigit() else None
     raise ValueError(f"cannot tell the policy from the label {label!r}: pass --policy")
+
+
+def partition_of(label: str) -> str:
+    """The bullet partition a result label names: `bullet` auto, `bullet-partition-none` (or
+    `bullet-none`) none, `bullet-static-1-1` (or `bullet-static:1/1`) static:1/1."""
+    name = label.split()[0].lower()
+    if not name.startswith("bullet"):
+        return "auto"
+    rest = name.removeprefix("bullet").strip("-_").removeprefix("partition-")
+    if rest in ("", "auto", "none"):
+        return rest or "auto"
+    static = re.fullmatch(r"static[-:](\d+)[-/](\d+)", rest)
+    if static is None:
+        raise ValueError(f"cannot tell the partition from the label {label!r}")
+    return f"static:{static[1]}/{static[2]}"
 
 
 def replay(run: RunResult) -> list[SimRequest]:
@@ -198,6 +214,7 @@ def simulate_like(
             base,
             hardware=run_profile(path, result.label, run.request_rate) if path else base.hardware,
             policy=name,
+            partition=partition_of(result.label) if name == "bullet" else base.partition,
             chunked_prefill_size=chunk or base.chunked_prefill_size,
             request_rates=(run.request_rate,),
             slo=run_slo(run) or base.slo,

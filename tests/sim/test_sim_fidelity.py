@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ SCRIPT = Path(__file__).parents[2] / "scripts" / "sim_fidelity.py"
 
 
 def _script():
+    if str(SCRIPT.parent) not in sys.path:  # as when run: it imports its neighbours
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("sim_fidelity", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -187,3 +190,58 @@ def test_profile_per_run_replays_each_run_on_the_profile_taken_before_it(tmp_pat
     (tmp_path / "bullet.rate-2.profile.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"bullet.rate-2.profile.json"):
         _script().main([str(measured_path), "--profile-per-run"])
+
+
+def test_partition_from_label():
+    partition_of = _script().partition_of
+    assert partition_of("bullet") == "auto"
+    assert partition_of("bullet-partition-none") == "none"
+    assert partition_of("bullet-static-1-1") == "static:1/1"
+    assert partition_of("bullet-static:3/5 (replayed)") == "static:3/5"
+    assert partition_of("chunked-512") == "auto"
+    with pytest.raises(ValueError, match="partition"):
+        partition_of("bullet-sideways")
+
+
+def test_served_speed_replays_a_run_at_its_step_logs_own_speed(tmp_path, capsys):
+    """A run measured (here: simulated) on a machine twice as slow as the profile says, with
+    its step log beside it: replayed at the speed its own steps show, it matches exactly."""
+    fast = _cpu_profile(tmp_path)
+    slow_raw = json.loads(fast.read_text())
+    slow_raw["peak_flops"] = {"bfloat16": 1e11}
+    slow_raw["peak_bandwidth"] = 2.5e10
+    slow_raw["step_overhead_s"] = 0.004
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(slow_raw))
+    config = SimConfig(
+        hardware=str(slow),
+        model="smollm2-135m",
+        policy="chunked",
+        chunked_prefill_size=256,
+        num_prompts=20,
+        request_rates=(1.0,),
+        slo=SLO(3.0, 150.0),
+        noise=0.0,
+        num_gpu_blocks_override=4000,
+    )
+    measured = simulate(config, step_log=tmp_path / "chunked-256.steps.jsonl")
+    measured = dataclasses.replace(measured, label="chunked-256", simulated=False, hardware=None)
+    measured_path = tmp_path / "chunked-256.json"
+    measured.save(measured_path)
+    argv = [str(measured_path), "--profile", str(fast), "--noise", "0"]
+    argv += ["--num-gpu-blocks-override", "4000"]
+    assert _script().main(argv) == 1  # on the fast profile as it is, the replay is off
+    assert _script().main([*argv, "--served-speed"]) == 0
+    out = capsys.readouterr().out
+    assert "served / predicted steps, prefill 2.00, decode 2.00" in out
+    assert out.rstrip().endswith("largest difference 0.0% (target 15%; ** marks misses)")
+    # A step log written before the engines logged each step's state cannot be used.
+    log = tmp_path / "chunked-256.steps.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    log.write_text(
+        "".join(
+            json.dumps({k: v for k, v in line.items() if k != "state"}) + "\n" for line in lines
+        )
+    )
+    with pytest.raises(SystemExit, match="no `state`"):
+        _script().main([*argv, "--served-speed"])
