@@ -36,9 +36,10 @@ import statistics
 import sys
 import tempfile
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 from served_vs_profile import runs_of
 
 from bulletserve.bench.metrics import SLO
@@ -145,37 +146,80 @@ class HostTaxedPerfModel(CachedPerfModel):
         )
 
 
-class ScaledPerfModel(CachedPerfModel):
-    """Diagnostic: every predicted step of a phase `factors[phase]` times the profile's."""
+@dataclass(frozen=True)
+class ServedSpeed:
+    """How fast a served run went, from its step log: per phase, the median measured /
+    predicted step; for a single-lane engine, also the host's time between its steps beyond
+    what the profile's sampler takes, fitted as seconds per step + seconds per row."""
 
-    def __init__(self, perf: CachedPerfModel, factors: dict[str, float]) -> None:
+    factors: dict[str, float]
+    host: tuple[float, float] | None = None
+
+
+class ScaledPerfModel(CachedPerfModel):
+    """Diagnostic: every predicted step of a phase `speed.factors[phase]` times the profile's,
+    and the host's time per step the served one where it was measured."""
+
+    def __init__(self, perf: CachedPerfModel, speed: ServedSpeed) -> None:
         super().__init__(perf.cfg, perf.hw, perf.dtype)
-        self.factors = factors
+        self.speed = speed
 
     def predict(self, es: ExecutionState) -> StepPrediction:
         base = super().predict(es)
         return StepPrediction(
-            prefill_s=base.prefill_s * self.factors["prefill"],
-            decode_s=base.decode_s * self.factors["decode"],
+            prefill_s=base.prefill_s * self.speed.factors["prefill"],
+            decode_s=base.decode_s * self.speed.factors["decode"],
         )
 
+    def host_s(self, rows: int) -> float:
+        if self.speed.host is None:
+            return super().host_s(rows)
+        per_step, per_row = self.speed.host
+        return per_step + per_row * rows
 
-def served_speed(steps: list[dict], perf: CachedPerfModel) -> dict[str, float]:
-    """Per phase (a decode step; a prefill, layer group or fused chunked step), the median of
-    measured / predicted over a served run's step-log lines, each predicted from its state."""
+
+# Between two steps of a busy single-lane engine the host samples, streams and plans; a longer
+# pause is the engine waiting for requests.
+BUSY_GAP_S = 0.1
+
+
+def served_speed(steps: list[dict], perf: CachedPerfModel) -> ServedSpeed:
+    """A served run's speed from its step-log lines, each re-predicted from its state: per
+    phase (a decode step; a prefill, layer group or fused chunked step) the median measured /
+    predicted; for a single-lane engine's log, the host's time between busy steps less the
+    profile's sampler (which the prediction of a step includes), fitted over the batch."""
     ratios: dict[str, list[float]] = defaultdict(list)
-    for step in steps:
+    rows, host = [], []
+    steps = sorted(steps, key=lambda step: step["time"])
+    for step, following in zip(steps, [*steps[1:], None], strict=True):
         if "state" not in step:
             raise SystemExit(
                 "--served-speed: the step log's lines carry no `state` (it was written before "
                 "the engines logged one, 2026-12-01): rerun the sweep"
             )
-        prediction = perf.predict(ExecutionState.from_json(step["state"]))
+        es = ExecutionState.from_json(step["state"])
+        prediction = perf.predict(es)
         phase = "decode" if step["lane"] == "decode" else "prefill"
         predicted = prediction.decode_s if phase == "decode" else prediction.prefill_s
         if predicted > 0:
             ratios[phase].append(step["measured_s"] / predicted)
-    return {phase: statistics.median(ratios[phase] or [1.0]) for phase in ("prefill", "decode")}
+        if "rule" in step or following is None:
+            continue  # the lanes' steps overlap: no host gap to read
+        gap = following["time"] - following["measured_s"] - step["time"]
+        if 0 <= gap < BUSY_GAP_S:
+            rows.append(step["batch_size"])
+            host.append(gap - perf.sampling_s(es, phase))
+    factors = {phase: statistics.median(ratios[phase] or [1.0]) for phase in ("prefill", "decode")}
+    # The median gap per batch size: a short wait for the next request (the engine idle, not
+    # busy on the host) is an outlier there.
+    by_rows: dict[int, list[float]] = defaultdict(list)
+    for count, seconds in zip(rows, host, strict=True):
+        by_rows[count].append(seconds)
+    medians = {count: statistics.median(v) for count, v in by_rows.items() if len(v) >= 3}
+    if len(medians) < 2:
+        return ServedSpeed(factors)
+    per_row, per_step = (float(c) for c in np.polyfit(list(medians), list(medians.values()), 1))
+    return ServedSpeed(factors, (max(per_step, 0.0), max(per_row, 0.0)))
 
 
 def run_profile(path: Path, label: str, rate: float) -> str:
@@ -230,12 +274,20 @@ def simulate_like(
         if host_ms_per_row:
             env = replace(env, perf=HostTaxedPerfModel(env.perf, host_ms_per_row / 1e3))
         if served_steps:
-            factors = served_speed(served_steps[run.request_rate], env.perf)
+            speed = served_speed(served_steps[run.request_rate], env.perf)
+            host = (
+                f"; host between steps {speed.host[0] * 1e3:.2f} ms + "
+                f"{speed.host[1] * 1e3:.3f} ms a row (profile {env.perf.host_s(0) * 1e3:.2f} + "
+                f"{(env.perf.host_s(1) - env.perf.host_s(0)) * 1e3:.3f})"
+                if speed.host
+                else ""
+            )
             print(
                 f"{result.label} at {run.request_rate:g} req/s: served / predicted steps, "
-                f"prefill {factors['prefill']:.2f}, decode {factors['decode']:.2f}"
+                f"prefill {speed.factors['prefill']:.2f}, decode {speed.factors['decode']:.2f}"
+                + host
             )
-            env = replace(env, perf=ScaledPerfModel(env.perf, factors))
+            env = replace(env, perf=ScaledPerfModel(env.perf, speed))
         runs.append(
             simulate_requests(config, env, make_sim_policy(config, env), requests, run.request_rate)
         )

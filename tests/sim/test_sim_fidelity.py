@@ -22,6 +22,7 @@ def _script():
         sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("sim_fidelity", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -204,29 +205,31 @@ def test_partition_from_label():
 
 
 def test_served_speed_replays_a_run_at_its_step_logs_own_speed(tmp_path, capsys):
-    """A run measured (here: simulated) on a machine twice as slow as the profile says, with
-    its step log beside it: replayed at the speed its own steps show, it matches exactly."""
+    """A run measured (here: simulated) on a machine twice as slow as the profile says, whose
+    host takes 3 ms + 0.5 ms a row between steps, with its step log beside it: replayed at the
+    speed and host time its own steps show, it matches exactly."""
     fast = _cpu_profile(tmp_path)
     slow_raw = json.loads(fast.read_text())
     slow_raw["peak_flops"] = {"bfloat16": 1e11}
     slow_raw["peak_bandwidth"] = 2.5e10
     slow_raw["step_overhead_s"] = 0.004
+    slow_raw["calibration"] = {"host_s_per_step": 0.003, "host_s_per_row": 0.0005}
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps(slow_raw))
     config = SimConfig(
         hardware=str(slow),
         model="smollm2-135m",
-        policy="chunked",
-        chunked_prefill_size=256,
+        policy="prefill-first",
         num_prompts=20,
         request_rates=(1.0,),
         slo=SLO(3.0, 150.0),
         noise=0.0,
         num_gpu_blocks_override=4000,
     )
-    measured = simulate(config, step_log=tmp_path / "chunked-256.steps.jsonl")
-    measured = dataclasses.replace(measured, label="chunked-256", simulated=False, hardware=None)
-    measured_path = tmp_path / "chunked-256.json"
+    log = tmp_path / "prefill-first.steps.jsonl"
+    measured = simulate(config, step_log=log)
+    measured = dataclasses.replace(measured, label="prefill-first", simulated=False, hardware=None)
+    measured_path = tmp_path / "prefill-first.json"
     measured.save(measured_path)
     argv = [str(measured_path), "--profile", str(fast), "--noise", "0"]
     argv += ["--num-gpu-blocks-override", "4000"]
@@ -234,9 +237,9 @@ def test_served_speed_replays_a_run_at_its_step_logs_own_speed(tmp_path, capsys)
     assert _script().main([*argv, "--served-speed"]) == 0
     out = capsys.readouterr().out
     assert "served / predicted steps, prefill 2.00, decode 2.00" in out
+    assert "host between steps 3.00 ms + 0.500 ms a row (profile 0.00 + 0.000)" in out
     assert out.rstrip().endswith("largest difference 0.0% (target 15%; ** marks misses)")
     # A step log written before the engines logged each step's state cannot be used.
-    log = tmp_path / "chunked-256.steps.jsonl"
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     log.write_text(
         "".join(
