@@ -63,3 +63,13 @@ def test_double_free_is_detected():
 )
 def test_kv_cache_memory_parsing(text, value):
     assert parse_memory(text) == value
+
+
+def test_freed_blocks_are_handed_out_again_first():
+    """A stack: a server reuses the blocks it has touched before it touches new ones."""
+    allocator = BlockAllocator(8)
+    first = allocator.allocate(3)
+    assert first == [1, 2, 3]
+    allocator.free(first)
+    assert allocator.allocate(2) == [1, 2]
+    assert allocator.allocate(2) == [3, 4]
