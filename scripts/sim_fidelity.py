@@ -46,6 +46,7 @@ from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult, load_result
 from bulletserve.perf.model import StepPrediction
 from bulletserve.perf.state import ExecutionState
+from bulletserve.sched.bullet import parse_partition
 from bulletserve.sim.device import CachedPerfModel
 from bulletserve.sim.request import SimRequest
 from bulletserve.sim.runner import (
@@ -258,12 +259,15 @@ def simulate_like(
             base,
             hardware=run_profile(path, result.label, run.request_rate) if path else base.hardware,
             policy=name,
-            partition=partition_of(result.label) if name == "bullet" else base.partition,
             chunked_prefill_size=chunk or base.chunked_prefill_size,
             request_rates=(run.request_rate,),
             slo=run_slo(run) or base.slo,
             label=f"{result.label} (replayed)",
         )
+        if name == "bullet":
+            mode, split = parse_partition(partition_of(result.label))
+            static = (split.prefill, split.decode) if split else None
+            config = replace(config, partition=mode, static_split=static)
         requests = replay(run)
         if config.num_gpu_blocks_override is None:
             tokens = sum(r.input_len + r.output_len for r in requests)
