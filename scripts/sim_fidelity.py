@@ -17,8 +17,9 @@ the moment, which swung 2x within half an hour, is not counted against the simul
 --served-speed (a diagnostic, not the fidelity test): scale each run's predicted steps, per
 phase, by the median measured / predicted ratio of that run's own served steps (its lines of
 LABEL.steps.jsonl beside the result, re-predicted from the state each line records on the run's
-profile). The machine's speed during the run is then given rather than predicted; what is left
-to differ is the simulator's scheduling, batching and queueing.
+profile), and for a single-lane engine take the host's time between steps from the same log.
+The machine's speed during the run is then given rather than predicted; what is left to differ
+is the simulator's scheduling, batching and queueing.
 
 --group: the files are repeats of the same sweeps (several runs of each label, e.g. the same
 configuration from different days); each figure is then the median over the runs that have its
@@ -190,7 +191,7 @@ def served_speed(steps: list[dict], perf: CachedPerfModel) -> ServedSpeed:
     predicted; for a single-lane engine's log, the host's time between busy steps less the
     profile's sampler (which the prediction of a step includes), fitted over the batch."""
     ratios: dict[str, list[float]] = defaultdict(list)
-    rows, host = [], []
+    host_by_rows: dict[int, list[float]] = defaultdict(list)
     steps = sorted(steps, key=lambda step: step["time"])
     for step, following in zip(steps, [*steps[1:], None], strict=True):
         if "state" not in step:
@@ -208,15 +209,11 @@ def served_speed(steps: list[dict], perf: CachedPerfModel) -> ServedSpeed:
             continue  # the lanes' steps overlap: no host gap to read
         gap = following["time"] - following["measured_s"] - step["time"]
         if 0 <= gap < BUSY_GAP_S:
-            rows.append(step["batch_size"])
-            host.append(gap - perf.sampling_s(es, phase))
+            host_by_rows[step["batch_size"]].append(gap - perf.sampling_s(es, phase))
     factors = {phase: statistics.median(ratios[phase] or [1.0]) for phase in ("prefill", "decode")}
     # The median gap per batch size: a short wait for the next request (the engine idle, not
     # busy on the host) is an outlier there.
-    by_rows: dict[int, list[float]] = defaultdict(list)
-    for count, seconds in zip(rows, host, strict=True):
-        by_rows[count].append(seconds)
-    medians = {count: statistics.median(v) for count, v in by_rows.items() if len(v) >= 3}
+    medians = {count: statistics.median(v) for count, v in host_by_rows.items() if len(v) >= 3}
     if len(medians) < 2:
         return ServedSpeed(factors)
     per_row, per_step = (float(c) for c in np.polyfit(list(medians), list(medians.values()), 1))

@@ -363,8 +363,8 @@ class LanedEngine(LLMEngine):
                 "split": [split.prefill, split.decode],
                 "rule": split.rule,
             }
-            record |= fields | {"state": es.to_json()}
-            record |= {"predicted_s": predicted, "measured_s": measured}
+            record |= fields
+            record |= {"state": es.to_json(), "predicted_s": predicted, "measured_s": measured}
             self._step_log.write(json.dumps(record) + "\n")
             self._step_log.flush()
 
