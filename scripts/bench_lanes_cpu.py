@@ -34,6 +34,7 @@ from pathlib import Path
 SLO_FACTOR = 5.0
 CONFIGS = {
     "bullet": ["--policy", "bullet"],
+    "bullet-no-fuse": ["--policy", "bullet", "--no-fuse-decode"],
     "chunked-128": ["--policy", "chunked", "--chunked-prefill-size", "128"],
     "chunked-512": ["--policy", "chunked", "--chunked-prefill-size", "512"],
     "prefill-first": ["--policy", "prefill-first"],

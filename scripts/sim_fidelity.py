@@ -79,10 +79,19 @@ def policy_of(label: str) -> tuple[str, int | None]:
     raise ValueError(f"cannot tell the policy from the label {label!r}: pass --policy")
 
 
+NO_FUSE = "-no-fuse"  # a label's suffix for bullet with --no-fuse-decode
+
+
+def fuses_decode(label: str) -> bool:
+    """Whether the run a label names let bullet fuse decode rows (`bullet-no-fuse`: no)."""
+    return not label.split()[0].lower().endswith(NO_FUSE)
+
+
 def partition_of(label: str) -> str:
     """The bullet partition a result label names: `bullet` auto, `bullet-partition-none` (or
-    `bullet-none`) none, `bullet-static-1-1` (or `bullet-static:1/1`) static:1/1."""
-    name = label.split()[0].lower()
+    `bullet-none`) none, `bullet-static-1-1` (or `bullet-static:1/1`) static:1/1; a
+    `-no-fuse` suffix does not change it."""
+    name = label.split()[0].lower().removesuffix(NO_FUSE)
     if not name.startswith("bullet"):
         return "auto"
     rest = name.removeprefix("bullet").strip("-_").removeprefix("partition-")
@@ -264,7 +273,12 @@ def simulate_like(
         if name == "bullet":
             mode, split = parse_partition(partition_of(result.label))
             static = (split.prefill, split.decode) if split else None
-            config = replace(config, partition=mode, static_split=static)
+            config = replace(
+                config,
+                partition=mode,
+                static_split=static,
+                fuse_decode=fuses_decode(result.label),
+            )
         requests = replay(run)
         if config.num_gpu_blocks_override is None:
             tokens = sum(r.input_len + r.output_len for r in requests)

@@ -76,6 +76,62 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
         assert set(layer_ranges) == {(0, 2)}
 
 
+def test_decode_rows_ride_in_a_prefill_step_on_a_cpu_where_co_running_is_zero_sum(
+    tiny_llama_dir, tmp_path
+):
+    """Prompts that arrive while others decode, on a CPU profile whose threads split compute and
+    bandwidth evenly: a prefill step carries the decode rows (`cpu-fused`), and every request
+    gets prefill-first's greedy tokens; requests aborted meanwhile free their blocks."""
+    from bulletserve.perf.hardware import HardwareProfile
+
+    profile = tmp_path / "cpu.json"
+    HardwareProfile("cpu", "cpu", True, 2, 1, 1, {"float32": 1e11}, 2e10, 2, 1e-4).save(profile)
+    prompts = random_prompts(8, seed=26, low=5, high=40)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    reference = LLM(
+        model=str(tiny_llama_dir), dtype="float32", max_model_len=256, policy="prefill-first"
+    )
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    log = tmp_path / "steps.jsonl"
+    llm = _bullet_llm(
+        tiny_llama_dir, num_threads=2, step_log=str(log), hardware_profile=str(profile)
+    )
+    engine = llm.engine
+    tokens: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 120
+    try:
+        ids = [engine.add_request(prompts[0], params)]
+        for prompt in prompts[1:]:
+            # Each prompt comes once the requests before it have a few tokens each.
+            while engine.has_unfinished() and time.monotonic() < deadline:
+                for output in engine.step():
+                    tokens[output.request_id] = output.token_ids
+                if all(len(tokens.get(i, [])) >= 3 for i in ids):
+                    break
+            ids.append(engine.add_request(prompt, params))
+        doomed = [engine.add_request(p, params) for p in random_prompts(3, seed=27, low=20)]
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            outputs = engine.step()
+            for output in outputs:
+                tokens[output.request_id] = output.token_ids
+            if outputs and doomed:
+                for request_id in doomed:
+                    engine.abort_request(request_id)
+                doomed = []
+        assert not engine.has_unfinished()
+        assert [tokens[i] for i in ids] == expected
+        assert engine.pool.allocator.num_used == 0
+    finally:
+        engine.close()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    fused = [r for r in records if r["rule"] == "cpu-fused" and r["lane"] == "prefill"]
+    assert fused and all(r["fused_decode"] > 0 for r in fused)
+    for record in fused:
+        es = ExecutionState.from_json(record["state"])
+        assert es.prefill_tokens == record["tokens"] and not es.has_decode
+        assert es.prefill_lens[-record["fused_decode"] :] == (1,) * record["fused_decode"]
+
+
 def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):
     llm = _bullet_llm(
         tiny_llama_dir,

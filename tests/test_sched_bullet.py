@@ -40,7 +40,7 @@ BLOCK = 16
 
 
 def make_policy(
-    hw, layers_per_step=None, partition="auto", static=None, min_remainder=None
+    hw, layers_per_step=None, partition="auto", static=None, min_remainder=None, fuse=True
 ) -> BulletPolicy:
     cfg = PRESETS["llama-3.1-8b"]
     return BulletPolicy(
@@ -51,6 +51,7 @@ def make_policy(
         layers_per_step=layers_per_step,
         partition=partition,
         static_split=static,
+        fuse_decode=fuse,
     )
 
 
@@ -60,6 +61,8 @@ POLICIES = {
     # Remainders of fewer than 24 SMs refused, as on a Hopper GPU (GreenContextSMs).
     "h100-remainder": make_policy(H100, min_remainder=24),
     "cpu": make_policy(CPU),
+    "cpu-no-fuse": make_policy(CPU, fuse=False),
+    "cpu-groups": make_policy(CPU, layers_per_step=8),
 }
 
 
@@ -143,6 +146,19 @@ def test_plans_are_valid(name):
             assert prefill_plan.split == decode_plan.split == Split(0, total)
         if not snap.decoding and prefill_plan.prefill is not None:
             assert prefill_plan.split == decode_plan.split == Split(total, 0)
+        if step is not None and step.decode:
+            # Decode rows ride only in a step that starts a batch and runs all its layers,
+            # carrying every decoding request, with KV for the prompts and the rows.
+            assert prefill_plan.split == Split(total, 0, "cpu-fused")
+            assert step.admitted and (step.layer_start, step.layer_end) == (0, policy.num_layers)
+            assert [s.request_id for s in step.decode] == [s.request_id for s in snap.decoding]
+            need = sum(
+                -(-s.num_tokens // BLOCK) for s in snap.waiting if s.request_id in step.admitted
+            )
+            need += sum(-(-s.num_tokens // BLOCK) - s.num_blocks for s in snap.decoding)
+            assert need <= snap.free_blocks
+        else:
+            assert prefill_plan.split.rule != "cpu-fused"
         scheduled = {s.request_id for s in decode_plan.decode}
         assert scheduled.isdisjoint(decode_plan.preempted)
         assert scheduled | set(decode_plan.preempted) == {s.request_id for s in snap.decoding}
@@ -202,7 +218,8 @@ def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill(
 
 
 def test_cpu_time_slices_where_co_running_is_zero_sum():
-    """On a CPU whose threads split compute and bandwidth evenly, co-running is zero-sum: the
+    """With fusing off (the next tests too; fusing is tested on its own below): on a CPU
+    whose threads split compute and bandwidth evenly, co-running is zero-sum: the
     lanes take turns on every thread, a prefill first, at risk or not and however long,
     whether the window's P90 TPOT holds or not. Where one thread already has all of the
     bandwidth, a decode step beside the prefill gains: the two share the CPU, decode on the
@@ -218,7 +235,7 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
         stats = LatencyStats(p90_ttft, p90_tpot_s)
         return BulletSnapshot(100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, half)
 
-    zero_sum = make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2))
+    zero_sum = make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2), fuse=False)
     assert not zero_sum.at_risk(SeqView("w", 99.99, 64, 0, 0), 100.0)
     assert zero_sum.plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
     assert zero_sum.plan_prefill(snap(2, 2000, 0.05)).split == Split(2, 0)
@@ -229,9 +246,9 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
     assert zero_sum.plan_decode(snap(2, 64, 0.2)).split == Split(2, 0)
     assert zero_sum.plan_decode(snap(2, 64, 0.2, p90_ttft=1.5)).split == Split(2, 0)
     assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split.rule == "cpu-turns"
-    shares = POLICIES["cpu"].plan_prefill(snap(2, 64, 0.05)).split
+    shares = POLICIES["cpu-no-fuse"].plan_prefill(snap(2, 64, 0.05)).split
     assert shares == Split(1, 1) and shares.rule == "decode-fewest"
-    both_missing = POLICIES["cpu"].plan_prefill(snap(2, 64, 0.2, p90_ttft=1.5)).split
+    both_missing = POLICIES["cpu-no-fuse"].plan_prefill(snap(2, 64, 0.2, p90_ttft=1.5)).split
     assert both_missing == Split(1, 1) and both_missing.rule == "balance"
     assert POLICIES["h100"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
 
@@ -242,7 +259,7 @@ def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
     it, so the lanes do more work per second side by side than taking turns."""
     from bulletserve.perf.state import ExecutionState
 
-    policy = POLICIES["cpu"]
+    policy = POLICIES["cpu-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
     ctx = tuple(s.num_tokens for s in decoding) + (1025,)
     prefill_alone, decode_alone = policy._alone_s((1024,), ctx, policy.num_layers)
@@ -265,7 +282,7 @@ def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_spee
     every thread instead."""
     from bulletserve.perf.state import ExecutionState
 
-    policy = POLICIES["cpu"]
+    policy = POLICIES["cpu-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
     ctx = tuple(s.num_tokens for s in decoding) + (257,)
     full = policy.perf.predict(ExecutionState(prefill_lens=(256,), prefill_units=2)).prefill_s
@@ -285,6 +302,62 @@ def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_spee
     assert not policy.at_risk(snap(waited).waiting[0], 100.0)
     assert policy.plan_prefill(snap(0.0)).split == Split(1, 1)
     assert policy.plan_prefill(snap(waited)).split == Split(2, 0)
+
+
+def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work():
+    """A short prompt beside a decode batch on a CPU where co-running is zero-sum: one step of
+    both on every thread costs about the prefill alone (the rows ride in its GEMMs), less than
+    the two one after the other, so the prefill step carries every decoding request and the
+    decode lane pauses. Where sharing the threads does more work a second (each lane at full
+    speed on one thread), the lanes share. Not where the step cannot carry the rows: a layer
+    group short of the last layer, a prefill already in flight, fusing turned off, or a fixed
+    split."""
+    from bulletserve.perf.state import fused_step_state
+
+    zero_sum = dataclasses.replace(CPU, bandwidth_saturation_units=2)
+    policy = make_policy(zero_sum)
+    # Contexts of 320 tokens fill their 20 blocks: each row's next token needs a new block.
+    decoding = tuple(SeqView(f"d{i}", 0.0, 321, 320, 20) for i in range(8))
+    waiting = (SeqView("w", 100.0, 64, 0, 0),)
+
+    def snap(free_blocks: int = 10_000, prefill=None) -> BulletSnapshot:
+        stats = LatencyStats(0.5, 0.05)
+        queue = () if prefill else waiting
+        return BulletSnapshot(
+            100.0, queue, prefill, decoding, free_blocks, BLOCK, 64, 16384, stats, Split(2, 0)
+        )
+
+    prefill_alone, decode_alone = policy._alone_s((64,), (321,) * 8, policy.num_layers)
+    fused, _ = fused_step_state([(64, 0)], [321] * 8, 2)
+    fused_s = policy.perf.predict(fused).prefill_s
+    assert prefill_alone < fused_s < prefill_alone + decode_alone
+    gain = policy._fused_gain(snap(), waiting, policy.plan_prefill(snap()).prefill)
+    assert gain == pytest.approx((prefill_alone + decode_alone) / fused_s)
+    assert gain > 1.0
+    plan = policy.plan_prefill(snap())
+    assert plan.split == Split(2, 0) and plan.split.rule == "cpu-fused"
+    assert plan.prefill.admitted == ("w",)
+    assert [(s.request_id, s.num_tokens) for s in plan.prefill.decode] == [
+        (f"d{i}", 1) for i in range(8)
+    ]
+    decode_plan = policy.plan_decode(snap())
+    assert decode_plan.split.rule == "cpu-fused" and decode_plan.split.decode == 0
+
+    # The prompt's 4 blocks and one block per row: 12. With 11 the prompt waits (the batch
+    # keeps a block per decoding request free), so nothing is fused.
+    assert policy.plan_prefill(snap(free_blocks=12)).split.rule == "cpu-fused"
+    assert policy.plan_prefill(snap(free_blocks=11)).prefill is None
+    in_flight = PrefillInFlight(waiting, 0)
+    assert policy.plan_prefill(snap(prefill=in_flight)).split.rule != "cpu-fused"
+    sharing = POLICIES["cpu"].plan_prefill(snap())
+    assert sharing.split == Split(1, 1) and not sharing.prefill.decode
+    for other in (
+        make_policy(zero_sum, fuse=False),
+        make_policy(zero_sum, layers_per_step=8),
+        make_policy(zero_sum, partition="static", static=Split(1, 1)),
+    ):
+        plan = other.plan_prefill(snap())
+        assert plan.split.rule != "cpu-fused" and not plan.prefill.decode
 
 
 def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():

@@ -184,6 +184,46 @@ def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
     assert overlaps > 0
 
 
+def test_bullet_on_a_cpu_fuses_decode_rows_into_prefill_steps(tmp_path):
+    """On a 2-thread CPU profile where co-running is zero-sum, prefill steps carry the decode
+    rows as the engine's do: each such step runs alone, for exactly what the model predicts of
+    its fused batch, and every request still finishes with every block back."""
+    from bulletserve.perf.hardware import HardwareProfile
+
+    profile = tmp_path / "cpu.json"
+    HardwareProfile("cpu", "cpu", True, 2, 1, 1, {"float32": 1e11}, 2e10, 2, 1e-4).save(profile)
+    config = _config(
+        "bullet",
+        hardware=str(profile),
+        model="smollm2-135m",
+        dtype="float32",
+        num_prompts=40,
+        request_rates=(2.0,),
+        slo=SLO(50.0, 500.0),
+        noise=0.0,
+        num_gpu_blocks_override=4000,
+    )
+    perf = setup(config).perf
+    path = tmp_path / "steps.jsonl"
+    result = simulate(config, step_log=path)
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    fused = [r for r in steps if r["rule"] == "cpu-fused"]
+    assert fused and all(r["lane"] == "prefill" and r["fused_decode"] > 0 for r in fused)
+    for r in fused:
+        es = ExecutionState.from_json(r["state"])
+        assert not es.has_decode and es.prefill_tokens == r["tokens"]
+        assert es.prefill_lens[-r["fused_decode"] :] == (1,) * r["fused_decode"]
+        assert r["measured_s"] == pytest.approx(perf.predict(es).prefill_s, rel=1e-9)
+        start = r["time"] - r["measured_s"]
+        assert not any(
+            d["lane"] == "decode" and d["time"] - d["measured_s"] < r["time"] and start < d["time"]
+            for d in steps
+        )
+    (run,) = result.to_json()["runs"]
+    assert all(req["error"] is None for req in run["requests"])
+    assert len(run["requests"]) == 40
+
+
 def test_kv_capacity_is_device_memory_minus_weights():
     from bulletserve.model.presets import PRESETS
 

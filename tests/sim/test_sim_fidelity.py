@@ -200,6 +200,10 @@ def test_partition_from_label():
     assert partition_of("bullet-static-1-1") == "static:1/1"
     assert partition_of("bullet-static:3/5 (replayed)") == "static:3/5"
     assert partition_of("chunked-512") == "auto"
+    assert partition_of("bullet-no-fuse") == "auto"
+    assert partition_of("bullet-static-1-1-no-fuse") == "static:1/1"
+    assert not _script().fuses_decode("bullet-no-fuse (replayed)")
+    assert _script().fuses_decode("bullet")
     with pytest.raises(ValueError, match="partition"):
         partition_of("bullet-sideways")
 

@@ -61,6 +61,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--partition", default="auto", help="bullet: auto, none or static:P/D")
     engine.add_argument("--prefill-layers-per-step", type=int)
+    engine.add_argument(
+        "--fuse-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bullet on a CPU profile: a prefill step may carry the decode rows",
+    )
 
     data = parser.add_argument_group("workload (as bullet bench)")
     data.add_argument(
@@ -140,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         partition=partition,
         static_split=static,
         prefill_layers_per_step=args.prefill_layers_per_step,
+        fuse_decode=args.fuse_decode,
         slo=_slo(args),
         seed=args.seed,
         noise=args.noise,

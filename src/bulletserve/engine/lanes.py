@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
@@ -34,7 +34,7 @@ from bulletserve.partition.cpu import use_one_thread
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import DTYPE_NAMES, PLANS, measure_device
-from bulletserve.perf.state import ExecutionState
+from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
     BulletPlan,
     BulletPolicy,
@@ -57,12 +57,14 @@ IDLE_WAIT_S = 0.005
 
 @dataclass
 class PrefillBatch:
-    """The prefill lane's batch: whole prompts (plus tokens to recompute after preemption)."""
+    """The prefill lane's batch: whole prompts (plus tokens to recompute after preemption), and
+    the decoding requests whose next token rides in the same step (`cpu-fused`)."""
 
     requests: list[Request]
     batch: StepBatch
     hidden: torch.Tensor | None = None
     layers_done: int = 0
+    fused: list[Request] = field(default_factory=list)
 
 
 class LanedEngine(LLMEngine):
@@ -112,6 +114,7 @@ class LanedEngine(LLMEngine):
             layers_per_step=self.config.prefill_layers_per_step,
             partition=mode,
             static_split=static,
+            fuse_decode=self.config.fuse_decode,
         )
 
     def _thread_counts(self) -> list[int]:
@@ -396,20 +399,29 @@ class LanedEngine(LLMEngine):
             measured = time.perf_counter() - start
             with self._state:
                 batch.hidden, batch.layers_done = hidden, plan.prefill.layer_end
-                es = self._execution_state(
-                    plan.split,
-                    tuple(r.num_tokens for r in batch.requests),
-                    tuple(r.num_tokens for r in self.running),
-                    plan.prefill.layer_start,
-                    plan.prefill.layer_end,
-                )
+                prompts = tuple(r.num_tokens for r in batch.requests)
+                if batch.fused:
+                    es, _ = fused_step_state(
+                        [(n, 0) for n in prompts],
+                        [r.num_tokens for r in batch.fused],
+                        self.units.total,
+                    )
+                else:
+                    es = self._execution_state(
+                        plan.split,
+                        prompts,
+                        tuple(r.num_tokens for r in self.running),
+                        plan.prefill.layer_start,
+                        plan.prefill.layer_end,
+                    )
                 self._log_step(
                     "prefill",
                     plan.split,
                     es,
                     measured,
                     batch_size=len(batch.requests),
-                    tokens=sum(r.num_tokens for r in batch.requests),
+                    tokens=sum(prompts) + len(batch.fused),
+                    fused_decode=len(batch.fused),
                     layers=[plan.prefill.layer_start, plan.prefill.layer_end],
                     runner_s=runner_s,
                 )
@@ -467,31 +479,43 @@ class LanedEngine(LLMEngine):
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.monotonic()
         works = [SeqWork(r.token_ids(0, r.num_tokens), 0, r.block_table, True) for r in requests]
-        self._prefill = PrefillBatch(requests, self.runner.prepare(works))
+        by_id = {r.request_id: r for r in self.running}
+        fused = [by_id[s.request_id] for s in plan.prefill.decode]
+        for request in fused:
+            self._grow_blocks(request, request.num_tokens)
+        works += [_decode_work(r) for r in fused]
+        self._prefill = PrefillBatch(requests, self.runner.prepare(works), fused=fused)
         # The whole batch counts as busy until its prefill ends: an abort between layer groups
         # must not free blocks the next group writes.
-        self._busy.update(r.request_id for r in requests)
+        self._busy.update(r.request_id for r in requests + fused)
 
     def _finish_prefill(self, batch: PrefillBatch, logits: torch.Tensor) -> None:
+        """Sample the batch's first tokens (and the fused decode rows' next ones): the prompts
+        join the decode lane."""
         self._prefill = None
-        self._busy.difference_update(r.request_id for r in batch.requests)
+        members = batch.requests + batch.fused
+        self._busy.difference_update(r.request_id for r in members)
         live = []
-        for request in batch.requests:
+        for request in members:
             request.num_computed_tokens = request.num_tokens
-            if request.is_finished:  # aborted while its prefill ran
+            if request.is_finished:  # aborted while its step ran: its token is dropped
                 self._release_blocks(request)
             else:
                 live.append(request)
-        rows = [batch.requests.index(r) for r in live]
         if not live:
             return
+        # Logits come in the step's row order (prompts of one token sit with the decode rows).
+        row_of = {work: row for row, work in enumerate(batch.batch.sampling_order)}
+        rows = [row_of[members.index(r)] for r in live]
         tokens, logprobs = self.sampler.sample(logits[rows], live, [r.stop_ids for r in live])
         now = time.monotonic()
+        prompts = set(map(id, batch.requests))
         for request, token, logprob in zip(live, tokens, logprobs, strict=True):
-            self.running.append(request)
-            if not request.output_token_ids:  # not a recomputation after preemption
-                ttft = now - request.timings.arrival
-                self._latency.first_token(ttft, len(request.prompt_token_ids))
+            if id(request) in prompts:
+                self.running.append(request)
+                if not request.output_token_ids:  # not a recomputation after preemption
+                    ttft = now - request.timings.arrival
+                    self._latency.first_token(ttft, len(request.prompt_token_ids))
             self._append_token(request, token, logprob, now)
         self._publish(live)
 
@@ -500,7 +524,10 @@ class LanedEngine(LLMEngine):
     def _decode_lane(self) -> None:
         while not self._stop.is_set():
             with self._state:
-                if not self._has_work("decode"):
+                # While a prefill step carries the decode rows, nothing here may change them
+                # (a preemption would take a request out from under that step).
+                fusing = self._prefill is not None and bool(self._prefill.fused)
+                if fusing or not self._has_work("decode"):
                     self._wait("decode")
                     continue
                 plan = self.policy.plan_decode(self._snapshot())
@@ -518,15 +545,7 @@ class LanedEngine(LLMEngine):
                 requests = [by_id[s.request_id] for s in plan.decode]
                 for request in requests:
                     self._grow_blocks(request, request.num_tokens)
-                works = [
-                    SeqWork(
-                        r.token_ids(r.num_tokens - 1, r.num_tokens),
-                        r.num_tokens - 1,
-                        r.block_table,
-                        True,
-                    )
-                    for r in requests
-                ]
+                works = [_decode_work(r) for r in requests]
                 self._busy.update(r.request_id for r in requests)
                 prefill_lens = ()
                 if self._prefill is not None:
@@ -562,3 +581,9 @@ class LanedEngine(LLMEngine):
                 if alive:
                     self._publish(alive)
                 self._state.notify_all()
+
+
+def _decode_work(request: Request) -> SeqWork:
+    """A decoding request's share of a step: its last token, on top of its cached context."""
+    last = request.num_tokens - 1
+    return SeqWork(request.token_ids(last, request.num_tokens), last, request.block_table, True)

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
+from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.base import PlanBuilder, ScheduledSeq, SchedulerSnapshot, SeqView
 
 # A request is at risk when the time it has waited plus its predicted prefill reaches this share
@@ -28,6 +28,7 @@ SPLIT_RULES = {
     "static": "--partition static:P/D",
     "no-prefill": "nothing to prefill: decode gets every unit",
     "no-decode": "nothing to decode: prefill gets every unit",
+    "cpu-fused": "CPU, fusing pays most: the decode rows ride in the prefill's step",
     "cpu-turns": "CPU, co-running does not pay: the lanes take turns, prefill first",
     "at-risk-first": "an at-risk prefill takes the device; decode waits within one TPOT",
     "balance": "TTFT and TPOT both missing: half the units each",
@@ -170,11 +171,14 @@ class BulletSnapshot:
 @dataclass(frozen=True)
 class PrefillStep:
     """Run layers [layer_start, layer_end) of the batch; `admitted` is non-empty when the step
-    starts a new batch from the waiting queue."""
+    starts a new batch from the waiting queue. `decode` holds the decoding requests whose next
+    token the step computes too, fused into its batch (rule `cpu-fused`); the decode lane
+    pauses meanwhile."""
 
     admitted: tuple[str, ...]
     layer_start: int
     layer_end: int
+    decode: tuple[ScheduledSeq, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,9 @@ class BulletPolicy:
     layers_per_step: int | None = None  # None: a prefill runs all layers in one step
     partition: str = "auto"
     static_split: Split | None = None
+    # On a CPU, whether a prefill step may carry the decode rows in its own batch (`cpu-fused`)
+    # where the performance model says that does more work per second than the alternatives.
+    fuse_decode: bool = True
     name: str = "bullet"
 
     def __post_init__(self) -> None:
@@ -230,7 +237,12 @@ class BulletPolicy:
         if batch:
             group = self.layers_per_step or self.num_layers
             step = PrefillStep(admitted, done, min(self.num_layers, done + group))
-        return BulletPlan(self.choose_split(snap, batch, step), prefill=step)
+        split = self.choose_split(snap, batch, step)
+        if split.rule == "cpu-fused":
+            assert step is not None
+            rows = tuple(ScheduledSeq(s.request_id, 1) for s in snap.decoding)
+            step = PrefillStep(step.admitted, step.layer_start, step.layer_end, rows)
+        return BulletPlan(split, prefill=step)
 
     def plan_decode(self, snap: BulletSnapshot) -> BulletPlan:
         """The decode lane's next step: every decoding request, preempting the newest when the
@@ -304,12 +316,18 @@ class BulletPolicy:
         # 5.5 req/s in bench-cpu-27. The rule before this one gave a prefill every thread while
         # TPOT held, whatever the profile said, from sweeps on an AMX Xeon whose profile also
         # predicts sharing to gain: there this rule shares more than it did, which no sweep on
-        # that machine has measured.)
+        # that machine has measured.) Where a prefill runs on every thread anyway, the decode
+        # rows can ride in its batch: a row in the prefill's GEMMs costs about 2 ms where a
+        # separate decode step streams every weight again (41-69 ms, bench-cpu-53), so the
+        # three ways (turns, side by side, fused) are compared by the work they do a second.
         if self.perf.hw.kind == "cpu":
             remaining = self.num_layers - (step.layer_start if step else 0)
-            if not self._co_running_pays(
+            shares = self._co_running_shares(
                 snap.now, prefill_batch, lens, decode_ctx, layers, remaining
-            ):
+            )
+            if self._fused_gain(snap, prefill_batch, step) > max(1.0, shares):
+                return Split(total, 0, "cpu-fused")
+            if shares <= 1.0:
                 return Split(total, 0, "cpu-turns")
         # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
         # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
@@ -362,7 +380,7 @@ class BulletPolicy:
                 return d
         return candidates[-1] if candidates else counts[0]
 
-    def _co_running_pays(
+    def _co_running_shares(
         self,
         now: float,
         batch: tuple[SeqView, ...],
@@ -370,11 +388,11 @@ class BulletPolicy:
         decode_ctx: tuple[int, ...],
         layers: int,
         remaining_layers: int,
-    ) -> bool:
-        """Whether the prefill beside a stream of decode steps, on the split that the rules
-        below would give decode, does more work per second than the lanes taking turns on every
-        unit, with every prompt of the batch still outside the at-risk share of its TTFT budget
-        at the slower side-by-side speed.
+    ) -> float:
+        """The work per second of the prefill beside a stream of decode steps, on the split that
+        the rules below would give decode, against the lanes taking turns on every unit (1.0);
+        0.0 when decode would leave prefill no unit or a prompt of the batch would reach the
+        at-risk share of its TTFT budget at the slower side-by-side speed.
 
         Each lane side by side runs at some share of its speed alone on every unit; the decode
         lane keeps stepping while the prefill runs, so sharing gains where the two shares sum
@@ -386,7 +404,7 @@ class BulletPolicy:
         total = self.units.total
         d = self._fewest_decode_units(lens, decode_ctx, layers)
         if total - d <= 0:
-            return False
+            return 0.0
         side_by_side = self.perf.predict(
             ExecutionState(
                 prefill_lens=lens,
@@ -402,10 +420,34 @@ class BulletPolicy:
             for s in batch
         )
         if not in_time:
-            return False
+            return 0.0
         prefill_alone, decode_alone = self._alone_s(lens, decode_ctx, layers)
-        shares = prefill_alone / side_by_side.prefill_s + decode_alone / side_by_side.decode_s
-        return shares > 1.0
+        return prefill_alone / side_by_side.prefill_s + decode_alone / side_by_side.decode_s
+
+    def _fused_gain(
+        self, snap: BulletSnapshot, batch: tuple[SeqView, ...], step: PrefillStep | None
+    ) -> float:
+        """The work per second of one step that runs the prefill and the decode rows together
+        on every unit, against a prefill step and a decode step one after the other (1.0); 0.0
+        where fusing is off or cannot be done: the decode rows must run every layer in the
+        step, so the step must start a batch and run all of its layers. (The KV blocks of the
+        rows' next tokens are there: `_form_batch` admits prompts only beside a free block per
+        decoding request.)"""
+        if (
+            not self.fuse_decode
+            or self.partition != "auto"
+            or step is None
+            or snap.prefill is not None
+            or step.layer_start != 0
+            or step.layer_end != self.num_layers
+            or not snap.decoding
+        ):
+            return 0.0
+        lens = tuple(s.num_remaining for s in batch)
+        decode_ctx = tuple(s.num_tokens for s in snap.decoding)
+        prefill_alone, decode_alone = self._alone_s(lens, decode_ctx, self.num_layers)
+        fused, _ = fused_step_state([(n, 0) for n in lens], list(decode_ctx), self.units.total)
+        return (prefill_alone + decode_alone) / self.perf.predict(fused).prefill_s
 
     def _alone_s(
         self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int

@@ -16,9 +16,9 @@ co-running contention applies exactly while both lanes run. Each step draws one 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from bulletserve.perf.state import ExecutionState
+from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
     BulletPolicy,
     BulletSnapshot,
@@ -53,6 +53,10 @@ class LaneStep:
     host_s: float = 0.0  # the engine's host time in the step, which contention does not stretch
     busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
     state: ExecutionState | None = None  # both lanes when the step started, for the step log
+    # Decoding requests whose next token a prefill step computes too (rule `cpu-fused`), and
+    # their contexts when it started.
+    fused: list[SimRequest] = field(default_factory=list)
+    fused_ctx: tuple[int, ...] = ()
 
     @property
     def end(self) -> float:
@@ -174,7 +178,16 @@ class LanedSimulator:
             assert self.prefill_batch is not None
             layers = (plan.prefill.layer_start, plan.prefill.layer_end)
             step = LaneStep(self.prefill_batch, units, self.noise.factor(), now, plan.split, layers)
+            by_id = {r.request_id: r for r in self.state.running}
+            step.fused = [by_id[s.request_id] for s in plan.prefill.decode]
+            for request in step.fused:
+                self.state.grow_blocks(request, request.num_tokens)
             self._start(lane, step)
+            return
+        prefill_step = self.steps["prefill"]
+        if prefill_step is not None and prefill_step.fused:
+            # As the engine's decode lane: nothing to plan while a prefill step carries the rows.
+            self._wait(lane, now, time_dependent=False)
             return
         plan = self.policy.plan_decode(self._snapshot(now))
         self.split = plan.split
@@ -209,8 +222,9 @@ class LanedSimulator:
     def _start(self, lane: str, step: LaneStep) -> None:
         step.since = step.started
         step.lengths = tuple(r.num_tokens for r in step.requests)
+        step.fused_ctx = tuple(r.num_tokens for r in step.fused)
         samples = lane == "decode" or step.layers[1] == self.num_layers
-        step.host_s = self.perf.host_s(len(step.requests) if samples else 0)
+        step.host_s = self.perf.host_s(len(step.requests) + len(step.fused) if samples else 0)
         self.steps[lane] = step
         step.state = self._execution_state()
         self._rerate(step.started)
@@ -233,6 +247,10 @@ class LanedSimulator:
 
     def _execution_state(self) -> ExecutionState:
         prefill, decode = self.steps["prefill"], self.steps["decode"]
+        if prefill is not None and prefill.fused:
+            # The decode lane is paused: one batch of the prompts and the decode rows.
+            prompts = [(n, 0) for n in prefill.lengths]
+            return fused_step_state(prompts, list(prefill.fused_ctx), prefill.units)[0]
         start, end = prefill.layers if prefill else (0, self.num_layers)
         return ExecutionState(
             prefill_lens=prefill.lengths if prefill else (),
@@ -263,19 +281,28 @@ class LanedSimulator:
             "measured_s": now - step.started,
         }
         if lane == "prefill":
-            record |= {"tokens": sum(step.lengths), "layers": step.layers}
+            record |= {
+                "tokens": sum(step.lengths) + len(step.fused),
+                "fused_decode": len(step.fused),
+                "layers": step.layers,
+            }
             self.layers_done = step.layers[1]
             if step.layers[1] == self.num_layers:
                 self._finish_prefill(now)
+            self._append_tokens(step.fused, now)
         else:
             record["tokens"] = len(step.requests)
-            for request in step.requests:
-                request.num_computed_tokens = request.num_tokens
-                if self.state.append_token(request, now):
-                    self._record_latency(request)
+            self._append_tokens(step.requests, now)
         self.state.log_step(record)
         self.ready.add(lane)
         self._notify()
+
+    def _append_tokens(self, requests: list[SimRequest], now: float) -> None:
+        """Decoding requests' next tokens, at a step's end."""
+        for request in requests:
+            request.num_computed_tokens = request.num_tokens
+            if self.state.append_token(request, now):
+                self._record_latency(request)
 
     def _record_latency(self, request: SimRequest) -> None:
         times = request.token_times

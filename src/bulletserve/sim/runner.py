@@ -52,6 +52,7 @@ class SimConfig:
     partition: str = "auto"
     static_split: tuple[int, int] | None = None
     prefill_layers_per_step: int | None = None
+    fuse_decode: bool = True
     slo: SLO | None = None
     seed: int = 0
     noise: float = DEFAULT_NOISE
@@ -134,6 +135,7 @@ def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
             layers_per_step=config.prefill_layers_per_step,
             partition=config.partition,
             static_split=static,
+            fuse_decode=config.fuse_decode,
         )
     except ValueError as exc:
         raise SimSetupError(str(exc)) from None
