@@ -132,6 +132,43 @@ def test_decode_rows_ride_in_a_prefill_step_on_a_cpu_where_co_running_is_zero_su
         assert es.prefill_lens[-record["fused_decode"] :] == (1,) * record["fused_decode"]
 
 
+def test_lanes_wait_for_their_outputs_to_be_handed_off_where_the_caller_reports_it(
+    tiny_llama_dir, tmp_path
+):
+    """Under the server (whose AsyncEngine reports each hand-off) a lane plans its next step
+    once the outputs emitted so far are written out, or HANDOFF_WAIT_S later: left unreported,
+    each decode step starts that long after the one before ended; reported after every
+    `step()`, nothing is left outstanding. `LLM.generate` reports nothing and waits for
+    nothing."""
+    from bulletserve.engine.engine import HANDOFF_WAIT_S
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for report in (False, True):
+        log = tmp_path / f"steps-{report}.jsonl"
+        llm = _bullet_llm(tiny_llama_dir, step_log=str(log))
+        engine = llm.engine
+        engine.acks_handoff = True
+        tokens = []
+        deadline = time.monotonic() + 60
+        try:
+            engine.add_request(random_prompts(1, seed=28)[0], params)
+            while engine.has_unfinished() and time.monotonic() < deadline:
+                tokens += [o for o in engine.step() if o.finished]
+                if report:
+                    engine.outputs_handed_off()
+            assert len(tokens) == 1 and len(tokens[0].token_ids) == 6
+            if report:
+                assert engine._unhanded == 0
+        finally:
+            engine.close()
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        decode = [r for r in records if r["lane"] == "decode"]
+        assert len(decode) == 5
+        if not report:
+            for before, after in zip(decode, decode[1:], strict=False):
+                assert after["time"] - after["measured_s"] - before["time"] >= 0.9 * HANDOFF_WAIT_S
+
+
 def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):
     llm = _bullet_llm(
         tiny_llama_dir,

@@ -15,16 +15,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.engine import HANDOFF_WAIT_S, LLMEngine
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# How long the engine thread waits, after handing a step's outputs to an event loop, for the
-# loop to have written them out before it computes the next step.
-HANDOFF_WAIT_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
@@ -120,6 +116,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
+        engine.acks_handoff = True
         while not self._stop.is_set():
             if not engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
@@ -133,6 +130,7 @@ class AsyncEngine:
                 self._fail_all(EngineDeadError(f"engine fault: {exc}"))
                 return
             self._deliver([(output.request_id, output) for output in outputs])
+            engine.outputs_handed_off()
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand a step's outputs to their streams with one wake-up per event loop (not one per

@@ -57,6 +57,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# How long the engine waits, after a step's outputs went to the server's event loop, for the
+# loop to have written them out before it computes the next step (`AsyncEngine._deliver`).
+HANDOFF_WAIT_S = 0.05
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: DecoderLM | None = None) -> None:
         """`model`: weights already loaded from `config.model` (as `bullet profile` has them),
@@ -117,6 +122,9 @@ class LLMEngine:
         self.num_preemptions = 0
         # --step-log: one JSON line per step (the laned engine's lanes write it too).
         self._step_log = open(config.step_log, "a") if config.step_log else None
+        # Whether whoever calls `step()` reports each hand-off (`outputs_handed_off`): the
+        # server's AsyncEngine does; `LLM.generate`, which uses outputs at once, does not.
+        self.acks_handoff = False
 
     def _make_policy(self) -> Policy:
         return make_policy(self.config.policy, self.config.chunk_size)
@@ -211,6 +219,11 @@ class LLMEngine:
             return bool(self._inbox or self._aborts or self.waiting or self.running)
 
     # ---- engine thread ----------------------------------------------------------------------
+
+    def outputs_handed_off(self) -> None:
+        """The outputs of the last `step()` have been passed on (by the server: written out).
+        The single-lane engine computes only inside `step()`, so it has nothing to wait for;
+        the laned engine's lanes wait for this (see `LanedEngine.acks_handoff`)."""
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of requests that progressed or ended."""
