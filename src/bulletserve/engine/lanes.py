@@ -525,31 +525,32 @@ class LanedEngine(LLMEngine):
         """Sample the batch's first tokens (and the fused decode rows' next ones): the prompts
         join the decode lane."""
         self._prefill = None
-        members = batch.requests + batch.fused
+        members = batch.requests + batch.fused  # in the order of the step's works
         self._busy.difference_update(r.request_id for r in members)
-        live = []
-        for request in members:
+        live: list[tuple[int, Request]] = []
+        for work, request in enumerate(members):
             request.num_computed_tokens = request.num_tokens
             if request.is_finished:  # aborted while its step ran: its token is dropped
                 self._release_blocks(request)
             else:
-                live.append(request)
+                live.append((work, request))
         if not live:
             return
         # Logits come in the step's row order (prompts of one token sit with the decode rows).
         row_of = {work: row for row, work in enumerate(batch.batch.sampling_order)}
-        rows = [row_of[members.index(r)] for r in live]
-        tokens, logprobs = self.sampler.sample(logits[rows], live, [r.stop_ids for r in live])
+        requests = [request for _, request in live]
+        tokens, logprobs = self.sampler.sample(
+            logits[[row_of[work] for work, _ in live]], requests, [r.stop_ids for r in requests]
+        )
         now = time.monotonic()
-        prompts = set(map(id, batch.requests))
-        for request, token, logprob in zip(live, tokens, logprobs, strict=True):
-            if id(request) in prompts:
+        for (work, request), token, logprob in zip(live, tokens, logprobs, strict=True):
+            if work < len(batch.requests):  # a prompt: it joins the decode lane
                 self.running.append(request)
                 if not request.output_token_ids:  # not a recomputation after preemption
                     ttft = now - request.timings.arrival
                     self._latency.first_token(ttft, len(request.prompt_token_ids))
             self._append_token(request, token, logprob, now)
-        self._publish(live)
+        self._publish(requests)
 
     # ---- the decode lane --------------------------------------------------------------------
 
