@@ -432,15 +432,13 @@ class BulletPolicy:
         where fusing is off or cannot be done: the decode rows must run every layer in the
         step, so the step must start a batch and run all of its layers. (The KV blocks of the
         rows' next tokens are there: `_form_batch` admits prompts only beside a free block per
-        decoding request.)"""
+        decoding request.) `choose_split` asks only under `auto`, with both phases waiting."""
         if (
             not self.fuse_decode
-            or self.partition != "auto"
             or step is None
             or snap.prefill is not None
             or step.layer_start != 0
             or step.layer_end != self.num_layers
-            or not snap.decoding
         ):
             return 0.0
         lens = tuple(s.num_remaining for s in batch)
