@@ -1,0 +1,276 @@
+"""Capacity at an SLO, simulated: for each workload and policy, the highest Poisson rate that
+keeps SLO attainment at or above a target (90% by default), and Bullet's rate over the best
+baseline's. This is the lanes issue's target ("the highest rate that keeps 90% SLO attainment
+is at least 1.2x the best baseline's") asked of a modeled device instead of a measured one.
+
+python -m bulletserve.sim.capacity --hardware a100-80g --model llama-3.1-8b \
+    --out docs/sim-capacity.png [--results DIR] [--seeds 0,1,2] [--workers 2]
+
+Each (workload, policy, seed) walks its rate grid upwards and stops after two rates in a row
+below the target; the attainment at a rate is the median over the seeds (a seed draws other
+lengths and arrival times). A rate counts only if every grid rate below it also kept the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bulletserve.bench.datasets import PAPER_SLOS, dataset_family  # noqa: E402
+from bulletserve.sim.runner import SimConfig, simulate  # noqa: E402
+
+TARGET = 0.9
+# Rate grids (req/s) wide enough that every policy falls below 90% inside them on the A100
+# preset with Llama-3.1-8B; narrower steps where the workloads saturate sooner.
+DEFAULT_GRIDS = {
+    "sharegpt-like": tuple(float(r) for r in range(15, 65, 5)),
+    "azure-code-like": tuple(r / 2 for r in range(4, 17)),
+    "arxiv-sum-like": tuple(r / 2 for r in range(2, 13)),
+}
+DEFAULT_POLICIES = ("bullet", "chunked-1024", "chunked-2048", "prefill-first")
+MISSES_BEFORE_STOP = 2
+
+
+@dataclass(frozen=True)
+class Task:
+    """One walk up a rate grid: a workload, a policy label, a seed."""
+
+    hardware: str
+    model: str
+    dataset: str
+    policy: str
+    seed: int
+    num_prompts: int
+    rates: tuple[float, ...]
+    target: float
+
+
+def policy_settings(label: str) -> tuple[str, int | None]:
+    """(policy, chunked prefill size) from a label: bullet, prefill-first or chunked-N."""
+    if label.startswith("chunked-"):
+        size = label.removeprefix("chunked-")
+        if not size.isdigit():
+            raise ValueError(f"policy {label!r}: expected chunked-N with N a token count")
+        return "chunked", int(size)
+    if label in ("bullet", "prefill-first"):
+        return label, None
+    raise ValueError(f"policy {label!r}: expected bullet, prefill-first or chunked-N")
+
+
+def walk(task: Task) -> dict[float, float]:
+    """Attainment at each rate of the grid, upwards, until MISSES_BEFORE_STOP rates in a row
+    miss the target."""
+    policy, chunk = policy_settings(task.policy)
+    slo = PAPER_SLOS[dataset_family(task.dataset) or ""]
+    attained: dict[float, float] = {}
+    misses = 0
+    for rate in task.rates:
+        config = SimConfig(
+            hardware=task.hardware,
+            model=task.model,
+            policy=policy,
+            chunked_prefill_size=chunk,
+            dataset=task.dataset,
+            num_prompts=task.num_prompts,
+            request_rates=(rate,),
+            slo=slo,
+            seed=task.seed,
+        )
+        value = simulate(config).runs[0].summary["slo"]["attainment"]
+        attained[rate] = value
+        misses = misses + 1 if value < task.target else 0
+        if misses >= MISSES_BEFORE_STOP:
+            break
+    return attained
+
+
+def median_attainment(walks: Iterable[dict[float, float]]) -> dict[float, float]:
+    """Per rate, the median over the walks that reached it. A walk that stopped below a rate
+    counts as a miss there (0.0): it had already fallen below the target twice."""
+    walks = list(walks)
+    rates = sorted({rate for w in walks for rate in w})
+    return {rate: statistics.median(w.get(rate, 0.0) for w in walks) for rate in rates}
+
+
+def capacity(attained: dict[float, float], target: float = TARGET) -> float | None:
+    """The highest rate whose attainment, and that of every lower rate, is at least the target;
+    None when the lowest rate already misses."""
+    best = None
+    for rate in sorted(attained):
+        if attained[rate] < target:
+            break
+        best = rate
+    return best
+
+
+def ratio_line(capacities: dict[str, float | None]) -> str:
+    """Bullet's capacity over the best baseline's, in words."""
+    bullet = capacities.get("bullet")
+    baselines = {k: v for k, v in capacities.items() if k != "bullet" and v is not None}
+    if bullet is None or not baselines:
+        return "ratio: undefined (a policy kept the target at no rate of the grid)"
+    best = max(baselines, key=lambda k: baselines[k])
+    return f"bullet / best baseline ({best}): {bullet / baselines[best]:.2f}x"
+
+
+def plot(
+    grids: dict[str, dict[str, dict[float, float]]], hardware: str, target: float, path: Path
+) -> Path:
+    fig, axes = plt.subplots(1, len(grids), figsize=(6 * len(grids), 4), squeeze=False)
+    for ax, (dataset, by_policy) in zip(axes[0], grids.items(), strict=True):
+        for label, attained in by_policy.items():
+            rates = sorted(attained)
+            ax.plot(rates, [100 * attained[r] for r in rates], marker="o", label=label)
+        ax.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(dataset)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment (%, median over seeds)")
+        ax.set_ylim(0, 102)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.suptitle(f"simulated on {hardware}: SLO attainment against request rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(
+    hardware: str,
+    model: str,
+    workloads: Sequence[str],
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    num_prompts: int,
+    grids: dict[str, tuple[float, ...]],
+    target: float = TARGET,
+    workers: int = 1,
+) -> dict[str, dict[str, dict[float, float]]]:
+    """Median attainment per workload, policy and rate."""
+    for label in policies:
+        policy_settings(label)
+    tasks = [
+        Task(hardware, model, d, p, s, num_prompts, grids[d], target)
+        for d in workloads
+        for p in policies
+        for s in seeds
+    ]
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            walks = list(pool.map(walk, tasks))
+    else:
+        walks = [walk(t) for t in tasks]
+    out: dict[str, dict[str, dict[float, float]]] = {}
+    for d in workloads:
+        out[d] = {}
+        for p in policies:
+            mine = [w for t, w in zip(tasks, walks, strict=True) if (t.dataset, t.policy) == (d, p)]
+            out[d][p] = median_attainment(mine)
+    return out
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(sorted(float(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 2,2.5,3; got {text!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive; got {text!r}")
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hardware", default="a100-80g")
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--workloads", default=",".join(DEFAULT_GRIDS))
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument(
+        "--rates", type=parse_rates, help="one grid for every workload (default: per workload)"
+    )
+    parser.add_argument("--target", type=float, default=TARGET)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="the plot (PNG)")
+    parser.add_argument("--results", type=Path, help="the attainment grids (JSON)")
+    args = parser.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if args.rates is None and w not in DEFAULT_GRIDS]
+    if unknown:
+        parser.error(f"--workloads: no default rate grid for {unknown}; give --rates")
+    if any(dataset_family(w) is None for w in workloads):
+        parser.error("--workloads: each must be a sharegpt, azure or arxiv workload (their SLOs)")
+    try:
+        policies = [p for p in args.policies.split(",") if p]
+        for label in policies:
+            policy_settings(label)
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError as err:
+        parser.error(f"--policies/--seeds: {err}")
+    grids = {w: args.rates or DEFAULT_GRIDS[w] for w in workloads}
+    start = time.perf_counter()
+    results = run(
+        args.hardware,
+        args.model,
+        workloads,
+        policies,
+        seeds,
+        args.num_prompts,
+        grids,
+        args.target,
+        args.workers,
+    )
+    for dataset, by_policy in results.items():
+        slo = PAPER_SLOS[dataset_family(dataset) or ""]
+        print(f"\n### {dataset} (SLO {slo.ttft_per_token_ms} ms/token, {slo.tpot_ms} ms TPOT)\n")
+        rates = sorted({r for a in by_policy.values() for r in a})
+        head = " | ".join(f"{r:g}" for r in rates)
+        print(f"| policy | {head} | capacity at {args.target:.0%} |")
+        print("|---|" + "---:|" * (len(rates) + 1))
+        capacities = {}
+        for label, attained in by_policy.items():
+            capacities[label] = capacity(attained, args.target)
+            cells = [f"{100 * attained[r]:.1f}" if r in attained else "-" for r in rates]
+            shown = "none" if capacities[label] is None else f"{capacities[label]:g}"
+            print(f"| {label} | " + " | ".join(cells) + f" | {shown} |")
+        print(f"\n{ratio_line(capacities)}")
+    print(
+        f"\n(simulated on {args.hardware}, {args.model}, {args.num_prompts} requests, seeds "
+        f"{args.seeds}, in {time.perf_counter() - start:.0f} s)"
+    )
+    if args.out:
+        print(f"plot: {plot(results, args.hardware, args.target, args.out)}")
+    if args.results:
+        payload = {
+            "simulated": True,
+            "hardware": args.hardware,
+            "model": args.model,
+            "num_prompts": args.num_prompts,
+            "seeds": seeds,
+            "target": args.target,
+            "attainment": {
+                d: {p: {f"{r:g}": a for r, a in g.items()} for p, g in by_policy.items()}
+                for d, by_policy in results.items()
+            },
+        }
+        args.results.write_text(json.dumps(payload, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

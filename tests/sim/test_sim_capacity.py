@@ -1,0 +1,86 @@
+"""Capacity at an SLO on a modeled device (`python -m bulletserve.sim.capacity`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bulletserve.sim.capacity import (
+    Task,
+    capacity,
+    main,
+    median_attainment,
+    policy_settings,
+    ratio_line,
+    walk,
+)
+
+
+def test_capacity_is_the_last_rate_of_an_unbroken_run_at_the_target():
+    assert capacity({1.0: 0.99, 2.0: 0.95, 3.0: 0.9, 4.0: 0.89, 5.0: 0.97}) == 3.0
+    assert capacity({2.0: 0.5, 1.0: 0.95}) == 1.0  # rates are taken in order, not as given
+    assert capacity({1.0: 0.8, 2.0: 0.99}) is None
+    assert capacity({1.0: 0.85}, target=0.8) == 1.0
+
+
+def test_median_counts_a_walk_that_stopped_before_a_rate_as_a_miss_there():
+    walks = [{1.0: 0.9, 2.0: 0.8}, {1.0: 1.0, 2.0: 0.95, 3.0: 0.91}, {1.0: 0.7}]
+    assert median_attainment(walks) == {1.0: 0.9, 2.0: 0.8, 3.0: 0.0}
+
+
+def test_ratio_is_bullet_over_the_best_baseline():
+    line = ratio_line({"bullet": 5.0, "chunked-1024": 4.0, "prefill-first": 2.0})
+    assert "chunked-1024" in line and "1.25x" in line
+    assert "undefined" in ratio_line({"bullet": None, "chunked-1024": 4.0})
+    assert "undefined" in ratio_line({"bullet": 3.0, "chunked-1024": None})
+
+
+def test_policy_labels():
+    assert policy_settings("chunked-512") == ("chunked", 512)
+    assert policy_settings("bullet") == ("bullet", None)
+    for bad in ("chunked-x", "fcfs"):
+        with pytest.raises(ValueError, match=bad):
+            policy_settings(bad)
+
+
+def test_a_walk_stops_after_two_misses_in_a_row():
+    # A target above 100% that no rate can keep: the walk stops after the first two.
+    task = Task(
+        "h100", "llama-3.1-8b", "sharegpt-like", "chunked-1024", 0, 20, (1.0, 2.0, 3.0), 1.01
+    )
+    attained = walk(task)
+    assert list(attained) == [1.0, 2.0]
+    assert all(0.9 <= a <= 1.0 for a in attained.values())  # 1-2 req/s: nearly all meet the SLOs
+
+
+def test_end_to_end_writes_the_table_the_plot_and_the_grids(tmp_path, capsys):
+    out, results = tmp_path / "cap.png", tmp_path / "cap.json"
+    code = main(
+        [
+            "--hardware", "h100", "--workloads", "sharegpt-like", "--policies",
+            "bullet,chunked-1024", "--seeds", "0", "--num-prompts", "30", "--rates", "1,2",
+            "--out", str(out), "--results", str(results),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| bullet |" in text and "| chunked-1024 |" in text and "bullet / best baseline" in text
+    assert out.stat().st_size > 0
+    grids = json.loads(results.read_text())
+    assert grids["simulated"] is True and grids["hardware"] == "h100"
+    # Two requests a second of ShareGPT are far below what an H100 serves: both keep the SLOs.
+    for policy in ("bullet", "chunked-1024"):
+        assert min(grids["attainment"]["sharegpt-like"][policy].values()) >= 0.9
+
+
+def test_bad_flags_are_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["--policies", "bullet,fcfs"])
+    assert "fcfs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--rates", "1,x"])
+    assert "--rates" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--workloads", "random"])
+    assert "--workloads" in capsys.readouterr().err
