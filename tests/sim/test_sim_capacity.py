@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,8 @@ from bulletserve.sim.capacity import (
     ratio_line,
     walk,
 )
+
+CPU_PROFILE = Path(__file__).parents[2] / "docs" / "data" / "cpu-profile-2026-11-30r.json"
 
 
 def test_capacity_is_the_last_rate_of_an_unbroken_run_at_the_target():
@@ -84,3 +87,30 @@ def test_bad_flags_are_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["--workloads", "random"])
     assert "--workloads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--hardware", "tpu"])
+    assert "--hardware 'tpu'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--slo-tpot-ms", "100"])
+    assert "go together" in capsys.readouterr().err
+
+
+def test_a_cpu_profile_with_its_own_slos(tmp_path, capsys):
+    """The CPU benchmark's setting: a measured profile, fp32, the server's context length and
+    KV pool, SLOs with a fixed part."""
+    code = main(
+        [
+            "--hardware", str(CPU_PROFILE), "--model", "smollm2-135m", "--dtype", "float32",
+            "--max-model-len", "768", "--num-gpu-blocks-override", "2048",
+            "--workloads", "sharegpt-like", "--policies", "bullet,chunked-128", "--seeds", "0",
+            "--num-prompts", "20", "--rates", "0.25",
+            "--slo-ttft-base-ms", "126.6", "--slo-ttft-per-token-ms", "6.982",
+            "--slo-tpot-ms", "140.6", "--results", str(tmp_path / "cap.json"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    assert "SLO 126.6 ms + 6.982 ms/token, 140.6 ms TPOT" in capsys.readouterr().out
+    grids = json.loads((tmp_path / "cap.json").read_text())
+    assert grids["slo"] == {"ttft_per_token_ms": 6.982, "tpot_ms": 140.6, "ttft_base_ms": 126.6}
+    for policy in ("bullet", "chunked-128"):
+        assert grids["attainment"]["sharegpt-like"][policy]["0.25"] >= 0.9

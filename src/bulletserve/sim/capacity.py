@@ -14,13 +14,14 @@ lengths and arrival times). A rate counts only if every grid rate below it also 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -29,7 +30,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bulletserve.bench.datasets import PAPER_SLOS, dataset_family  # noqa: E402
-from bulletserve.sim.runner import SimConfig, simulate  # noqa: E402
+from bulletserve.bench.metrics import SLO  # noqa: E402
+from bulletserve.sim.hardware import SimSetupError  # noqa: E402
+from bulletserve.sim.runner import SimConfig, setup, simulate  # noqa: E402
 
 TARGET = 0.9
 # Rate grids (req/s) wide enough that every policy falls below 90% inside them on the A100
@@ -43,7 +46,7 @@ DEFAULT_POLICIES = ("bullet", "chunked-1024", "chunked-2048", "prefill-first")
 MISSES_BEFORE_STOP = 2
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Task:
     """One walk up a rate grid: a workload, a policy label, a seed."""
 
@@ -55,6 +58,10 @@ class Task:
     num_prompts: int
     rates: tuple[float, ...]
     target: float
+    slo: SLO | None = None  # None: the paper's SLOs for the workload
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    num_gpu_blocks_override: int | None = None
 
 
 def policy_settings(label: str) -> tuple[str, int | None]:
@@ -73,7 +80,7 @@ def walk(task: Task) -> dict[float, float]:
     """Attainment at each rate of the grid, upwards, until MISSES_BEFORE_STOP rates in a row
     miss the target."""
     policy, chunk = policy_settings(task.policy)
-    slo = PAPER_SLOS[dataset_family(task.dataset) or ""]
+    slo = task.slo or PAPER_SLOS[dataset_family(task.dataset) or ""]
     attained: dict[float, float] = {}
     misses = 0
     for rate in task.rates:
@@ -87,6 +94,9 @@ def walk(task: Task) -> dict[float, float]:
             request_rates=(rate,),
             slo=slo,
             seed=task.seed,
+            dtype=task.dtype,
+            max_model_len=task.max_model_len,
+            num_gpu_blocks_override=task.num_gpu_blocks_override,
         )
         value = simulate(config).runs[0].summary["slo"]["attainment"]
         attained[rate] = value
@@ -157,12 +167,14 @@ def run(
     grids: dict[str, tuple[float, ...]],
     target: float = TARGET,
     workers: int = 1,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, dict[float, float]]]:
-    """Median attainment per workload, policy and rate."""
+    """Median attainment per workload, policy and rate. `engine` sets Task's optional fields
+    (SLOs, dtype, context length, KV blocks) for every walk."""
     for label in policies:
         policy_settings(label)
     tasks = [
-        Task(hardware, model, d, p, s, num_prompts, grids[d], target)
+        Task(hardware, model, d, p, s, num_prompts, grids[d], target, **(engine or {}))
         for d in workloads
         for p in policies
         for s in seeds
@@ -205,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rates", type=parse_rates, help="one grid for every workload (default: per workload)"
     )
     parser.add_argument("--target", type=float, default=TARGET)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (CPU profiles)")
+    slo = parser.add_argument_group("SLOs (default: the paper's for the workload)")
+    slo.add_argument("--slo-ttft-per-token-ms", type=float)
+    slo.add_argument("--slo-ttft-base-ms", type=float, default=0.0)
+    slo.add_argument("--slo-tpot-ms", type=float)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--out", type=Path, help="the plot (PNG)")
     parser.add_argument("--results", type=Path, help="the attainment grids (JSON)")
@@ -213,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in workloads if args.rates is None and w not in DEFAULT_GRIDS]
     if unknown:
         parser.error(f"--workloads: no default rate grid for {unknown}; give --rates")
-    if any(dataset_family(w) is None for w in workloads):
-        parser.error("--workloads: each must be a sharegpt, azure or arxiv workload (their SLOs)")
     try:
         policies = [p for p in args.policies.split(",") if p]
         for label in policies:
@@ -222,7 +239,32 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError as err:
         parser.error(f"--policies/--seeds: {err}")
+    if (args.slo_ttft_per_token_ms is None) != (args.slo_tpot_ms is None):
+        parser.error("--slo-ttft-per-token-ms and --slo-tpot-ms go together")
+    custom_slo = None
+    if args.slo_tpot_ms is not None:
+        custom_slo = SLO(args.slo_ttft_per_token_ms, args.slo_tpot_ms, args.slo_ttft_base_ms)
+    if args.slo_tpot_ms is None and any(dataset_family(w) is None for w in workloads):
+        parser.error("--workloads: without --slo-* flags, sharegpt, azure or arxiv (their SLOs)")
+    engine = {
+        "slo": custom_slo,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+    }
     grids = {w: args.rates or DEFAULT_GRIDS[w] for w in workloads}
+    try:  # the hardware, model and KV pool, checked once here rather than in every worker
+        setup(
+            SimConfig(
+                hardware=args.hardware,
+                model=args.model,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len,
+                num_gpu_blocks_override=args.num_gpu_blocks_override,
+            )
+        )
+    except SimSetupError as err:
+        parser.error(str(err))
     start = time.perf_counter()
     results = run(
         args.hardware,
@@ -234,10 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         grids,
         args.target,
         args.workers,
+        engine,
     )
     for dataset, by_policy in results.items():
-        slo = PAPER_SLOS[dataset_family(dataset) or ""]
-        print(f"\n### {dataset} (SLO {slo.ttft_per_token_ms} ms/token, {slo.tpot_ms} ms TPOT)\n")
+        slo = custom_slo or PAPER_SLOS[dataset_family(dataset) or ""]
+        print(
+            f"\n### {dataset} (SLO {slo.ttft_base_ms:g} ms + {slo.ttft_per_token_ms:g} ms/token, "
+            f"{slo.tpot_ms:g} ms TPOT)\n"
+        )
         rates = sorted({r for a in by_policy.values() for r in a})
         head = " | ".join(f"{r:g}" for r in rates)
         print(f"| policy | {head} | capacity at {args.target:.0%} |")
@@ -263,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             "num_prompts": args.num_prompts,
             "seeds": seeds,
             "target": args.target,
+            "slo": None if custom_slo is None else dataclasses.asdict(custom_slo),
+            "dtype": args.dtype,
             "attainment": {
                 d: {p: {f"{r:g}": a for r, a in g.items()} for p, g in by_policy.items()}
                 for d, by_policy in results.items()
