@@ -29,7 +29,9 @@ def test_capacity_is_the_last_rate_of_an_unbroken_run_at_the_target():
 
 def test_median_counts_a_walk_that_stopped_before_a_rate_as_a_miss_there():
     walks = [{1.0: 0.9, 2.0: 0.8}, {1.0: 1.0, 2.0: 0.95, 3.0: 0.91}, {1.0: 0.7}]
-    assert median_attainment(walks) == {1.0: 0.9, 2.0: 0.8, 3.0: 0.0}
+    assert median_attainment(walks) == {1.0: 0.9, 2.0: 0.8, 3.0: None}
+    assert median_attainment([{1.0: 0.95}, {1.0: 0.92, 2.0: 0.99}]) == {1.0: 0.935, 2.0: None}
+    assert capacity({1.0: 0.95, 2.0: None, 3.0: 0.99}) == 1.0
 
 
 def test_ratio_is_bullet_over_the_best_baseline():

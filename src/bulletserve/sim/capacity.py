@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -35,12 +36,12 @@ from bulletserve.sim.hardware import SimSetupError  # noqa: E402
 from bulletserve.sim.runner import SimConfig, setup, simulate  # noqa: E402
 
 TARGET = 0.9
-# Rate grids (req/s) wide enough that every policy falls below 90% inside them on the A100
-# preset with Llama-3.1-8B; narrower steps where the workloads saturate sooner.
+# Rate grids (req/s) from where every policy keeps 90% to past where each falls below it, on
+# the A100 preset with Llama-3.1-8B (2026-12-01: 25-30, 3.5-6 and 3-4.5 req/s).
 DEFAULT_GRIDS = {
-    "sharegpt-like": tuple(float(r) for r in range(15, 65, 5)),
-    "azure-code-like": tuple(r / 2 for r in range(4, 17)),
-    "arxiv-sum-like": tuple(r / 2 for r in range(2, 13)),
+    "sharegpt-like": tuple(float(r) for r in range(20, 42, 2)),
+    "azure-code-like": tuple(r / 4 for r in range(12, 29)),
+    "arxiv-sum-like": tuple(r / 4 for r in range(10, 23)),
 }
 DEFAULT_POLICIES = ("bullet", "chunked-1024", "chunked-2048", "prefill-first")
 MISSES_BEFORE_STOP = 2
@@ -106,20 +107,25 @@ def walk(task: Task) -> dict[float, float]:
     return attained
 
 
-def median_attainment(walks: Iterable[dict[float, float]]) -> dict[float, float]:
-    """Per rate, the median over the walks that reached it. A walk that stopped below a rate
-    counts as a miss there (0.0): it had already fallen below the target twice."""
+def median_attainment(walks: Iterable[dict[float, float]]) -> dict[float, float | None]:
+    """Per rate, the median over the walks. A walk that stopped below a rate counts as a miss
+    there (it had already fallen below the target twice); None where that miss is the median."""
     walks = list(walks)
     rates = sorted({rate for w in walks for rate in w})
-    return {rate: statistics.median(w.get(rate, 0.0) for w in walks) for rate in rates}
+    out: dict[float, float | None] = {}
+    for rate in rates:
+        value = statistics.median(w.get(rate, -math.inf) for w in walks)
+        out[rate] = None if value == -math.inf else value
+    return out
 
 
-def capacity(attained: dict[float, float], target: float = TARGET) -> float | None:
+def capacity(attained: dict[float, float | None], target: float = TARGET) -> float | None:
     """The highest rate whose attainment, and that of every lower rate, is at least the target;
-    None when the lowest rate already misses."""
+    None when the lowest rate already misses. None as an attainment is a miss."""
     best = None
     for rate in sorted(attained):
-        if attained[rate] < target:
+        value = attained[rate]
+        if value is None or value < target:
             break
         best = rate
     return best
@@ -136,12 +142,12 @@ def ratio_line(capacities: dict[str, float | None]) -> str:
 
 
 def plot(
-    grids: dict[str, dict[str, dict[float, float]]], hardware: str, target: float, path: Path
+    grids: dict[str, dict[str, dict[float, float | None]]], hardware: str, target: float, path: Path
 ) -> Path:
     fig, axes = plt.subplots(1, len(grids), figsize=(6 * len(grids), 4), squeeze=False)
     for ax, (dataset, by_policy) in zip(axes[0], grids.items(), strict=True):
         for label, attained in by_policy.items():
-            rates = sorted(attained)
+            rates = [r for r in sorted(attained) if attained[r] is not None]
             ax.plot(rates, [100 * attained[r] for r in rates], marker="o", label=label)
         ax.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
         ax.set_title(dataset)
@@ -168,7 +174,7 @@ def run(
     target: float = TARGET,
     workers: int = 1,
     engine: dict[str, Any] | None = None,
-) -> dict[str, dict[str, dict[float, float]]]:
+) -> dict[str, dict[str, dict[float, float | None]]]:
     """Median attainment per workload, policy and rate. `engine` sets Task's optional fields
     (SLOs, dtype, context length, KV blocks) for every walk."""
     for label in policies:
@@ -184,7 +190,7 @@ def run(
             walks = list(pool.map(walk, tasks))
     else:
         walks = [walk(t) for t in tasks]
-    out: dict[str, dict[str, dict[float, float]]] = {}
+    out: dict[str, dict[str, dict[float, float | None]]] = {}
     for d in workloads:
         out[d] = {}
         for p in policies:
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         capacities = {}
         for label, attained in by_policy.items():
             capacities[label] = capacity(attained, args.target)
-            cells = [f"{100 * attained[r]:.1f}" if r in attained else "-" for r in rates]
+            cells = ["-" if attained.get(r) is None else f"{100 * attained[r]:.1f}" for r in rates]
             shown = "none" if capacities[label] is None else f"{capacities[label]:g}"
             print(f"| {label} | " + " | ".join(cells) + f" | {shown} |")
         print(f"\n{ratio_line(capacities)}")
