@@ -57,6 +57,7 @@ def make_policy(
 
 POLICIES = {
     "h100": make_policy(H100),
+    "h100-no-fuse": make_policy(H100, fuse=False),
     "h100-groups": make_policy(H100, layers_per_step=8),
     # Remainders of fewer than 24 SMs refused, as on a Hopper GPU (GreenContextSMs).
     "h100-remainder": make_policy(H100, min_remainder=24),
@@ -149,7 +150,8 @@ def test_plans_are_valid(name):
         if step is not None and step.decode:
             # Decode rows ride only in a step that starts a batch and runs all its layers,
             # carrying every decoding request, with KV for the prompts and the rows.
-            assert prefill_plan.split == Split(total, 0, "cpu-fused")
+            fused_rule = "cpu-fused" if policy.perf.hw.kind == "cpu" else "fused"
+            assert prefill_plan.split == Split(total, 0, fused_rule)
             assert step.admitted and (step.layer_start, step.layer_end) == (0, policy.num_layers)
             assert [s.request_id for s in step.decode] == [s.request_id for s in snap.decoding]
             need = sum(
@@ -158,7 +160,7 @@ def test_plans_are_valid(name):
             need += sum(-(-s.num_tokens // BLOCK) - s.num_blocks for s in snap.decoding)
             assert need <= snap.free_blocks
         else:
-            assert prefill_plan.split.rule != "cpu-fused"
+            assert prefill_plan.split.rule not in ("cpu-fused", "fused")
         scheduled = {s.request_id for s in decode_plan.decode}
         assert scheduled.isdisjoint(decode_plan.preempted)
         assert scheduled | set(decode_plan.preempted) == {s.request_id for s in snap.decoding}
@@ -190,7 +192,7 @@ def test_at_risk_request_goes_first_and_short_ones_otherwise():
 def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill():
     from bulletserve.perf.state import ExecutionState
 
-    policy = POLICIES["h100"]
+    policy = POLICIES["h100-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 1000, 999, 63) for i in range(32))
     budget = 0.15 * 0.8
     ctx = tuple(s.num_tokens for s in decoding)
@@ -250,7 +252,7 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
     assert shares == Split(1, 1) and shares.rule == "decode-fewest"
     both_missing = POLICIES["cpu-no-fuse"].plan_prefill(snap(2, 64, 0.2, p90_ttft=1.5)).split
     assert both_missing == Split(1, 1) and both_missing.rule == "balance"
-    assert POLICIES["h100"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
+    assert POLICIES["h100-no-fuse"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
 
 
 def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
@@ -331,8 +333,8 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
     fused, _ = fused_step_state([(64, 0)], [321] * 8, 2)
     fused_s = policy.perf.predict(fused).prefill_s
     assert prefill_alone < fused_s < prefill_alone + decode_alone
-    gain = policy._fused_gain(snap(), waiting, policy.plan_prefill(snap()).prefill)
-    assert gain == pytest.approx((prefill_alone + decode_alone) / fused_s)
+    gain, step_s = policy._fused(snap(), waiting, policy.plan_prefill(snap()).prefill)
+    assert gain == pytest.approx((prefill_alone + decode_alone) / fused_s) and step_s == fused_s
     assert gain > 1.0
     plan = policy.plan_prefill(snap())
     assert plan.split == Split(2, 0) and plan.split.rule == "cpu-fused"
@@ -360,6 +362,39 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
         assert plan.split.rule != "cpu-fused" and not plan.prefill.decode
 
 
+def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
+    """On a GPU preset whose bandwidth scales with SMs (N_d = all of them), side by side the
+    lanes do about the work they do one after the other, while a prompt's tokens ride in a
+    memory-bound decode step almost for free: a short prompt beside a decode batch is fused
+    (`fused`, every SM, every decoding request's row). Not where the fused step would hold
+    the rows past the TPOT budget (the lanes then share the GPU and decode keeps stepping),
+    nor with fusing off."""
+    policy = POLICIES["h100"]
+    decoding = tuple(SeqView(f"d{i}", 0.0, 1001, 1000, 63) for i in range(64))
+
+    def snap(prompt: int) -> BulletSnapshot:
+        waiting = (SeqView("w", 99.99, prompt, 0, 0),)
+        stats = LatencyStats(0.5, 0.05)
+        return BulletSnapshot(
+            100.0, waiting, None, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
+        )
+
+    short = snap(64)
+    plan = policy.plan_prefill(short)
+    gain, step_s = policy._fused(short, short.waiting, plan.prefill)
+    assert plan.split == Split(132, 0) and plan.split.rule == "fused"
+    assert [s.request_id for s in plan.prefill.decode] == [s.request_id for s in decoding]
+    assert policy.plan_decode(short).split.rule == "fused"
+    assert gain > 1.0 and step_s <= policy.slo.tpot_s * 0.8
+
+    long = snap(8000)
+    plan = policy.plan_prefill(long)
+    assert policy._fused(long, long.waiting, plan.prefill)[1] > policy.slo.tpot_s * 0.8
+    assert plan.split.rule == "decode-fewest" and 0 < plan.split.decode < 132
+    assert not plan.prefill.decode
+    assert POLICIES["h100-no-fuse"].plan_prefill(short).split.rule == "decode-fewest"
+
+
 def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
     """While P90 TPOT misses, decode takes units from prefill one granule a step; it may take
     them all only until a waiting prompt is at risk (the window's TTFT, fed at first tokens,
@@ -373,7 +408,7 @@ def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
             100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, Split(0, total)
         )
 
-    for name, total in (("cpu", 2), ("h100", 132)):
+    for name, total in (("cpu", 2), ("h100-no-fuse", 132)):
         policy = POLICIES[name]
         assert policy.plan_decode(snap(total, 0.0)).split == Split(0, total)
         late = snap(total, 1.0)

@@ -35,15 +35,18 @@ def test_median_counts_a_walk_that_stopped_before_a_rate_as_a_miss_there():
 
 
 def test_ratio_is_bullet_over_the_best_baseline():
-    line = ratio_line({"bullet": 5.0, "chunked-1024": 4.0, "prefill-first": 2.0})
+    line = ratio_line(
+        {"bullet": 5.0, "bullet-no-fuse": 6.0, "chunked-1024": 4.0, "prefill-first": 2.0}
+    )
     assert "chunked-1024" in line and "1.25x" in line
     assert "undefined" in ratio_line({"bullet": None, "chunked-1024": 4.0})
     assert "undefined" in ratio_line({"bullet": 3.0, "chunked-1024": None})
 
 
 def test_policy_labels():
-    assert policy_settings("chunked-512") == ("chunked", 512)
-    assert policy_settings("bullet") == ("bullet", None)
+    assert policy_settings("chunked-512") == ("chunked", 512, True)
+    assert policy_settings("bullet") == ("bullet", None, True)
+    assert policy_settings("bullet-no-fuse") == ("bullet", None, False)
     for bad in ("chunked-x", "fcfs"):
         with pytest.raises(ValueError, match=bad):
             policy_settings(bad)

@@ -65,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "--fuse-decode",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="bullet on a CPU profile: a prefill step may carry the decode rows",
+        help="bullet: a prefill step may carry the decode rows (on a GPU within a TPOT)",
     )
 
     data = parser.add_argument_group("workload (as bullet bench)")

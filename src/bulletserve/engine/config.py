@@ -34,7 +34,7 @@ class EngineConfig:
     slo_ttft_base_ms: float = 0.0  # a fixed part of the TTFT SLO, beside the per-token part
     slo_tpot_ms: float = 150.0
     prefill_layers_per_step: int | None = None  # None: all layers in one step
-    fuse_decode: bool = True  # CPU: a prefill step may carry the decode rows (rule cpu-fused)
+    fuse_decode: bool = True  # a prefill step may carry the decode rows (cpu-fused, fused)
     hardware_profile: str | None = None  # a `bullet profile` JSON; default: measured at start
     step_log: str | None = None  # a JSON line per lane step
 
@@ -152,9 +152,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--fuse-decode",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on a CPU, let a prefill step carry the decode rows in its own batch where the "
-        "performance model says that does more work a second than taking turns or sharing "
-        "the threads (default: on)",
+        help="let a prefill step carry the decode rows in its own batch where the performance "
+        "model says that does more work a second than taking turns or sharing the device "
+        "(on a GPU, only a step that fits in the TPOT budget; default: on)",
     )
     bullet.add_argument("--hardware-profile", default=None, help="a `bullet profile` JSON file")
     bullet.add_argument(

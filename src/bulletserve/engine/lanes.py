@@ -58,7 +58,7 @@ IDLE_WAIT_S = 0.005
 @dataclass
 class PrefillBatch:
     """The prefill lane's batch: whole prompts (plus tokens to recompute after preemption), and
-    the decoding requests whose next token rides in the same step (`cpu-fused`)."""
+    the decoding requests whose next token rides in the same step (`cpu-fused`, `fused`)."""
 
     requests: list[Request]
     batch: StepBatch

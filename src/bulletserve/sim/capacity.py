@@ -65,22 +65,27 @@ class Task:
     num_gpu_blocks_override: int | None = None
 
 
-def policy_settings(label: str) -> tuple[str, int | None]:
-    """(policy, chunked prefill size) from a label: bullet, prefill-first or chunked-N."""
+def policy_settings(label: str) -> tuple[str, int | None, bool]:
+    """(policy, chunked prefill size, fuse decode) from a label: bullet, bullet-no-fuse (its
+    `--no-fuse-decode`), prefill-first or chunked-N."""
     if label.startswith("chunked-"):
         size = label.removeprefix("chunked-")
         if not size.isdigit():
             raise ValueError(f"policy {label!r}: expected chunked-N with N a token count")
-        return "chunked", int(size)
+        return "chunked", int(size), True
     if label in ("bullet", "prefill-first"):
-        return label, None
-    raise ValueError(f"policy {label!r}: expected bullet, prefill-first or chunked-N")
+        return label, None, True
+    if label == "bullet-no-fuse":
+        return "bullet", None, False
+    raise ValueError(
+        f"policy {label!r}: expected bullet, bullet-no-fuse, prefill-first or chunked-N"
+    )
 
 
 def walk(task: Task) -> dict[float, float]:
     """Attainment at each rate of the grid, upwards, until MISSES_BEFORE_STOP rates in a row
     miss the target."""
-    policy, chunk = policy_settings(task.policy)
+    policy, chunk, fuse = policy_settings(task.policy)
     slo = task.slo or PAPER_SLOS[dataset_family(task.dataset) or ""]
     attained: dict[float, float] = {}
     misses = 0
@@ -90,6 +95,7 @@ def walk(task: Task) -> dict[float, float]:
             model=task.model,
             policy=policy,
             chunked_prefill_size=chunk,
+            fuse_decode=fuse,
             dataset=task.dataset,
             num_prompts=task.num_prompts,
             request_rates=(rate,),
@@ -132,9 +138,12 @@ def capacity(attained: dict[float, float | None], target: float = TARGET) -> flo
 
 
 def ratio_line(capacities: dict[str, float | None]) -> str:
-    """Bullet's capacity over the best baseline's, in words."""
+    """Bullet's capacity over the best baseline's (bullet's own variants are not baselines),
+    in words."""
     bullet = capacities.get("bullet")
-    baselines = {k: v for k, v in capacities.items() if k != "bullet" and v is not None}
+    baselines = {
+        k: v for k, v in capacities.items() if not k.startswith("bullet") and v is not None
+    }
     if bullet is None or not baselines:
         return "ratio: undefined (a policy kept the target at no rate of the grid)"
     best = max(baselines, key=lambda k: baselines[k])

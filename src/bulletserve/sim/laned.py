@@ -53,8 +53,8 @@ class LaneStep:
     host_s: float = 0.0  # the engine's host time in the step, which contention does not stretch
     busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
     state: ExecutionState | None = None  # both lanes when the step started, for the step log
-    # Decoding requests whose next token a prefill step computes too (rule `cpu-fused`), and
-    # their contexts when it started.
+    # Decoding requests whose next token a prefill step computes too (rules `cpu-fused` and
+    # `fused`), and their contexts when it started.
     fused: list[SimRequest] = field(default_factory=list)
     fused_ctx: tuple[int, ...] = ()
 
