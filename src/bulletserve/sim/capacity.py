@@ -63,6 +63,7 @@ class Task:
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     num_gpu_blocks_override: int | None = None
+    device_memory_gib: float | None = None
 
 
 def policy_settings(label: str) -> tuple[str, int | None, bool]:
@@ -104,6 +105,7 @@ def walk(task: Task) -> dict[float, float]:
             dtype=task.dtype,
             max_model_len=task.max_model_len,
             num_gpu_blocks_override=task.num_gpu_blocks_override,
+            device_memory_gib=task.device_memory_gib,
         )
         value = simulate(config).runs[0].summary["slo"]["attainment"]
         attained[rate] = value
@@ -235,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (CPU profiles)")
+    parser.add_argument(
+        "--device-memory-gib", type=float, help="device memory of a profile the presets lack"
+    )
     slo = parser.add_argument_group("SLOs (default: the paper's for the workload)")
     slo.add_argument("--slo-ttft-per-token-ms", type=float)
     slo.add_argument("--slo-ttft-base-ms", type=float, default=0.0)
@@ -266,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "device_memory_gib": args.device_memory_gib,
     }
     grids = {w: args.rates or DEFAULT_GRIDS[w] for w in workloads}
     try:  # the hardware, model and KV pool, checked once here rather than in every worker
@@ -276,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 max_model_len=args.max_model_len,
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
+                device_memory_gib=args.device_memory_gib,
             )
         )
     except SimSetupError as err:
