@@ -205,17 +205,29 @@ def _wait_healthy(server: subprocess.Popen, port: int, deadline: float) -> None:
     raise RuntimeError("the server did not become healthy in time")
 
 
+def bench_servers(labels: str, hardware_profile: str | None) -> list[tuple[str, list[str]]]:
+    """(label, serve flags) per label of --bench-policies, all checked before any server runs."""
+    profile = ["--hardware-profile", hardware_profile] if hardware_profile else []
+    servers = []
+    for label in labels.split(","):
+        if label == "bullet":
+            servers.append((label, ["--policy", "bullet", *profile]))
+        elif label == "bullet-no-fuse":
+            servers.append((label, ["--policy", "bullet", "--no-fuse-decode", *profile]))
+        elif label.startswith("chunked-") and label.removeprefix("chunked-").isdigit():
+            size = label.removeprefix("chunked-")
+            servers.append((label, ["--policy", "chunked", "--chunked-prefill-size", size]))
+        else:
+            raise SystemExit(
+                f"--bench-policies: {label!r} is not bullet, bullet-no-fuse or chunked-N"
+            )
+    return servers
+
+
 def stage_bench(args, out: Path) -> list[dict]:
     rows = []
     base = [sys.executable, "-m", "bulletserve.cli"]
-    for label, policy in (
-        (
-            "bullet",
-            ["--policy", "bullet"]
-            + (["--hardware-profile", args.hardware_profile] if args.hardware_profile else []),
-        ),
-        ("chunked-1024", ["--policy", "chunked", "--chunked-prefill-size", "1024"]),
-    ):
+    for label, policy in bench_servers(args.bench_policies, args.hardware_profile):
         port = _free_port()
         log = open(out / f"serve-{label}.log", "w")
         server = subprocess.Popen(
@@ -328,12 +340,18 @@ def main() -> None:
         "--server-flags", default="", help="more `bullet serve` flags for both servers"
     )
     parser.add_argument(
+        "--bench-policies",
+        default="bullet,chunked-1024",
+        help="servers to bench, in order: bullet, bullet-no-fuse (--no-fuse-decode), chunked-N",
+    )
+    parser.add_argument(
         "--hardware-profile", default=None, help="a `bullet profile` JSON for the bullet server"
     )
     parser.add_argument(
         "--tokenizer", default=None, help="a tokenizer folder (where the default model is absent)"
     )
     args = parser.parse_args()
+    bench_servers(args.bench_policies, args.hardware_profile)
     args.out.mkdir(parents=True, exist_ok=True)
     units = unit_provider(torch.device(args.device))
     report_file = args.out / "device_check.json"

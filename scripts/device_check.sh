@@ -11,7 +11,8 @@
 # in .device/tokenizer; name both in the run's carry (carry=[".whl", ".device"]).
 # STAGES picks stages (default: tests steps offline bench); bench sizes: BENCH_PROMPTS
 # (default 40) and BENCH_RATES (default 4,8), requests fitted to 1024 tokens; BENCH_SERVER_FLAGS
-# adds serve flags to both servers (e.g. --cuda-graphs).
+# adds serve flags to every server (e.g. --cuda-graphs); BENCH_POLICIES the servers (default
+# bullet,chunked-1024; also bullet-no-fuse and chunked-N).
 set -uo pipefail
 OUT=${OUT:-device-check}
 WORK=$(mktemp -d)
@@ -54,7 +55,8 @@ stage() { case " ${STAGES:-tests steps offline bench} " in *" $1 "*) return 0 ;;
   if stage bench; then
     timeout 300 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" \
       "${PROFILE[@]}" --num-prompts "${BENCH_PROMPTS:-40}" --rates "${BENCH_RATES:-4,8}" \
-      --bench-timeout 120 --server-flags="${BENCH_SERVER_FLAGS:-}"
+      --bench-timeout 120 --server-flags="${BENCH_SERVER_FLAGS:-}" \
+      --bench-policies "${BENCH_POLICIES:-bullet,chunked-1024}"
     pack
   fi
 } 2>&1 | tee "$OUT/check.log"
