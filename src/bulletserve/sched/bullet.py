@@ -29,7 +29,7 @@ SPLIT_RULES = {
     "no-prefill": "nothing to prefill: decode gets every unit",
     "no-decode": "nothing to decode: prefill gets every unit",
     "cpu-fused": "CPU, fusing pays most: the decode rows ride in the prefill's step",
-    "fused": "GPU, fusing pays most and the step fits a TPOT: the rows ride in the prefill's step",
+    "fused": "GPU, fusing pays most and fits the TPOT budget: the rows ride in the prefill's step",
     "cpu-turns": "CPU, co-running does not pay: the lanes take turns, prefill first",
     "at-risk-first": "an at-risk prefill takes the device; decode waits within one TPOT",
     "balance": "TTFT and TPOT both missing: half the units each",
@@ -334,7 +334,7 @@ class BulletPolicy:
             # On a GPU a small prefill beside a big decode batch gains little from SMs of its
             # own: the decode step is bound by memory bandwidth, and the prompt's tokens ride
             # in its GEMMs almost for free, as in a chunked-prefill hybrid batch. Simulated on
-            # the A100 preset, sharegpt-like at 28 req/s, 1000 requests: with the rows fused
+            # the A100 preset, sharegpt-like at 28 req/s, 1000 requests, seed 0: with the rows fused
             # where that does the most work a second, 94.9% attainment against 77.3% without
             # (prefill and decode otherwise took turns on the whole GPU at the 256-sequence
             # cap). Unlike taking turns on a CPU, the alternative here keeps decode stepping

@@ -30,10 +30,10 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bulletserve.bench.datasets import PAPER_SLOS, dataset_family  # noqa: E402
+from bulletserve.bench.datasets import PAPER_SLOS, dataset_family, load_lengths  # noqa: E402
 from bulletserve.bench.metrics import SLO  # noqa: E402
 from bulletserve.sim.hardware import SimSetupError  # noqa: E402
-from bulletserve.sim.runner import SimConfig, setup, simulate  # noqa: E402
+from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_run  # noqa: E402
 
 TARGET = 0.9
 # Rate grids (req/s) from where every policy keeps 90% to past where each falls below it, on
@@ -85,30 +85,35 @@ def policy_settings(label: str) -> tuple[str, int | None, bool]:
 
 def walk(task: Task) -> dict[float, float]:
     """Attainment at each rate of the grid, upwards, until MISSES_BEFORE_STOP rates in a row
-    miss the target."""
+    miss the target. One modeled device, policy and workload for the whole walk, as
+    `runner.simulate` does for a sweep."""
     policy, chunk, fuse = policy_settings(task.policy)
-    slo = task.slo or PAPER_SLOS[dataset_family(task.dataset) or ""]
+    config = SimConfig(
+        hardware=task.hardware,
+        model=task.model,
+        policy=policy,
+        chunked_prefill_size=chunk,
+        fuse_decode=fuse,
+        dataset=task.dataset,
+        num_prompts=task.num_prompts,
+        request_rates=task.rates,
+        slo=task.slo or PAPER_SLOS[dataset_family(task.dataset) or ""],
+        seed=task.seed,
+        dtype=task.dtype,
+        max_model_len=task.max_model_len,
+        num_gpu_blocks_override=task.num_gpu_blocks_override,
+        device_memory_gib=task.device_memory_gib,
+    )
+    env = setup(config)
+    sim_policy = make_sim_policy(config, env)
+    lengths = load_lengths(
+        config.dataset, config.num_prompts, config.seed, config.max_model_len, config.random_lengths
+    )
     attained: dict[float, float] = {}
     misses = 0
     for rate in task.rates:
-        config = SimConfig(
-            hardware=task.hardware,
-            model=task.model,
-            policy=policy,
-            chunked_prefill_size=chunk,
-            fuse_decode=fuse,
-            dataset=task.dataset,
-            num_prompts=task.num_prompts,
-            request_rates=(rate,),
-            slo=slo,
-            seed=task.seed,
-            dtype=task.dtype,
-            max_model_len=task.max_model_len,
-            num_gpu_blocks_override=task.num_gpu_blocks_override,
-            device_memory_gib=task.device_memory_gib,
-        )
-        value = simulate(config).runs[0].summary["slo"]["attainment"]
-        attained[rate] = value
+        run = simulate_run(config, env, sim_policy, lengths, rate)
+        attained[rate] = value = run.summary["slo"]["attainment"]
         misses = misses + 1 if value < task.target else 0
         if misses >= MISSES_BEFORE_STOP:
             break
