@@ -4,7 +4,7 @@ baseline's. This is the lanes issue's target ("the highest rate that keeps 90% S
 is at least 1.2x the best baseline's") asked of a modeled device instead of a measured one.
 
 python -m bulletserve.sim.capacity --hardware a100-80g --model llama-3.1-8b \
-    --out docs/sim-capacity.png [--results DIR] [--seeds 0,1,2] [--workers 2]
+    --out docs/sim-capacity.png [--results GRIDS.json] [--seeds 0,1,2] [--workers 2]
 
 Each (workload, policy, seed) walks its rate grid upwards and stops after two rates in a row
 below the target; the attainment at a rate is the median over the seeds (a seed draws other
