@@ -280,16 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     grids = {w: args.rates or DEFAULT_GRIDS[w] for w in workloads}
     try:  # the hardware, model and KV pool, checked once here rather than in every worker
-        setup(
-            SimConfig(
-                hardware=args.hardware,
-                model=args.model,
-                dtype=args.dtype,
-                max_model_len=args.max_model_len,
-                num_gpu_blocks_override=args.num_gpu_blocks_override,
-                device_memory_gib=args.device_memory_gib,
-            )
-        )
+        setup(SimConfig(hardware=args.hardware, model=args.model, **engine))
     except SimSetupError as err:
         parser.error(str(err))
     start = time.perf_counter()
