@@ -82,22 +82,20 @@ def test_end_to_end_writes_the_table_the_plot_and_the_grids(tmp_path, capsys):
         assert min(grids["attainment"]["sharegpt-like"][policy].values()) >= 0.9
 
 
-def test_bad_flags_are_one_line(capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", "bullet,fcfs"], "fcfs"),
+        (["--rates", "1,x"], "--rates"),
+        (["--workloads", "random"], "--workloads"),
+        (["--hardware", "tpu"], "--hardware 'tpu'"),
+        (["--slo-tpot-ms", "100"], "go together"),
+    ],
+)
+def test_bad_flags_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit):
-        main(["--policies", "bullet,fcfs"])
-    assert "fcfs" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--rates", "1,x"])
-    assert "--rates" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--workloads", "random"])
-    assert "--workloads" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--hardware", "tpu"])
-    assert "--hardware 'tpu'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--slo-tpot-ms", "100"])
-    assert "go together" in capsys.readouterr().err
+        main(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_a_cpu_profile_with_its_own_slos(tmp_path, capsys):
