@@ -1,4 +1,4 @@
-"""Capacity at an SLO, simulated: for each workload and policy, the highest Poisson rate that
+r"""Capacity at an SLO, simulated: for each workload and policy, the highest Poisson rate that
 keeps SLO attainment at or above a target (90% by default), and Bullet's rate over the best
 baseline's. This is the lanes issue's target ("the highest rate that keeps 90% SLO attainment
 is at least 1.2x the best baseline's") asked of a modeled device instead of a measured one.
