@@ -14,6 +14,7 @@ from bulletserve.perf.hardware import load_preset
 from bulletserve.perf.model import PerfModel
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.bullet import (
+    CHUNK_GRANULE,
     SPLIT_RULES,
     BulletPolicy,
     BulletSnapshot,
@@ -82,7 +83,12 @@ def snapshots(draw, hw) -> BulletSnapshot:
     prefill = None
     if draw(st.booleans()):
         batch = tuple(seq(200 + i, False) for i in range(draw(st.integers(1, 3))))
-        prefill = PrefillInFlight(batch, draw(st.integers(0, 31)))
+        layers_done = draw(st.integers(0, 31))
+        if len(batch) == 1 and layers_done == 0:  # a prompt between its chunks
+            first = batch[0]
+            done = draw(st.integers(0, first.num_tokens - 1))
+            batch = (dataclasses.replace(first, num_computed_tokens=done),)
+        prefill = PrefillInFlight(batch, layers_done, draw(st.booleans()))
     ttft = draw(st.none() | st.floats(0.05, 3.0))  # P90 TTFT over its SLO
     tpot = draw(st.none() | st.floats(0.01, 0.5))
     counts = UnitSpace(hw.units, hw.unit_granularity, hw.min_units).counts()
@@ -148,11 +154,19 @@ def test_plans_are_valid(name):
         if not snap.decoding and prefill_plan.prefill is not None:
             assert prefill_plan.split == decode_plan.split == Split(total, 0)
         if step is not None and step.decode:
-            # Decode rows ride only in a step that starts a batch and runs all its layers,
-            # carrying every decoding request, with KV for the prompts and the rows.
+            # Decode rows ride only in a step that runs all layers of a pass no step has begun,
+            # carrying every decoding request, with KV for the prompts and the rows; a chunk
+            # only of a batch's one prompt, short of its rest.
             fused_rule = "cpu-fused" if policy.perf.hw.kind == "cpu" else "fused"
             assert prefill_plan.split == Split(total, 0, fused_rule)
-            assert step.admitted and (step.layer_start, step.layer_end) == (0, policy.num_layers)
+            assert (step.layer_start, step.layer_end) == (0, policy.num_layers)
+            in_flight = snap.prefill
+            assert in_flight is None or (in_flight.layers_done == 0 and not in_flight.stepping)
+            assert bool(step.admitted) == (in_flight is None)
+            prompts = in_flight.requests if in_flight else batch
+            if step.chunk is not None:
+                assert len(prompts) == 1 and step.chunk % CHUNK_GRANULE == 0
+                assert 0 < step.chunk < prompts[0].num_remaining
             assert [s.request_id for s in step.decode] == [s.request_id for s in snap.decoding]
             need = sum(
                 -(-s.num_tokens // BLOCK) for s in snap.waiting if s.request_id in step.admitted
@@ -264,7 +278,7 @@ def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
     policy = POLICIES["cpu-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
     ctx = tuple(s.num_tokens for s in decoding) + (1025,)
-    prefill_alone, decode_alone = policy._alone_s((1024,), ctx, policy.num_layers)
+    prefill_alone, decode_alone = policy._alone_s((1024,), (), ctx, policy.num_layers)
     side = policy.perf.predict(
         ExecutionState(prefill_lens=(1024,), prefill_units=1, decode_ctx=ctx, decode_units=1)
     )
@@ -312,8 +326,8 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
     the two one after the other, so the prefill step carries every decoding request and the
     decode lane pauses. Where sharing the threads does more work a second (each lane at full
     speed on one thread), the lanes share. Not where the step cannot carry the rows: a layer
-    group short of the last layer, a prefill already in flight, fusing turned off, or a fixed
-    split."""
+    group short of the last layer, a prefill step running or between its layer groups, fusing
+    turned off, or a fixed split."""
     from bulletserve.perf.state import fused_step_state
 
     zero_sum = dataclasses.replace(CPU, bandwidth_saturation_units=2)
@@ -329,13 +343,13 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
             100.0, queue, prefill, decoding, free_blocks, BLOCK, 64, 16384, stats, Split(2, 0)
         )
 
-    prefill_alone, decode_alone = policy._alone_s((64,), (321,) * 8, policy.num_layers)
+    prefill_alone, decode_alone = policy._alone_s((64,), (), (321,) * 8, policy.num_layers)
     fused, _ = fused_step_state([(64, 0)], [321] * 8, 2)
     fused_s = policy.perf.predict(fused).prefill_s
     assert prefill_alone < fused_s < prefill_alone + decode_alone
-    gain, step_s = policy._fused(snap(), waiting, policy.plan_prefill(snap()).prefill)
-    assert gain == pytest.approx((prefill_alone + decode_alone) / fused_s) and step_s == fused_s
-    assert gain > 1.0
+    fusion = policy._fusion(snap(), waiting, policy.plan_prefill(snap()).prefill)
+    assert fusion.gain == pytest.approx((prefill_alone + decode_alone) / fused_s)
+    assert fusion.seconds == fused_s and fusion.chunk is None and fusion.gain > 1.0
     plan = policy.plan_prefill(snap())
     assert plan.split == Split(2, 0) and plan.split.rule == "cpu-fused"
     assert plan.prefill.admitted == ("w",)
@@ -349,8 +363,8 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
     # keeps a block per decoding request free), so nothing is fused.
     assert policy.plan_prefill(snap(free_blocks=12)).split.rule == "cpu-fused"
     assert policy.plan_prefill(snap(free_blocks=11)).prefill is None
-    in_flight = PrefillInFlight(waiting, 0)
-    assert policy.plan_prefill(snap(prefill=in_flight)).split.rule != "cpu-fused"
+    for in_flight in (PrefillInFlight(waiting, 0, stepping=True), PrefillInFlight(waiting, 8)):
+        assert policy.plan_decode(snap(prefill=in_flight)).split.rule != "cpu-fused"
     sharing = POLICIES["cpu"].plan_prefill(snap())
     assert sharing.split == Split(1, 1) and not sharing.prefill.decode
     for other in (
@@ -366,32 +380,52 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     """On a GPU preset whose bandwidth scales with SMs (N_d = all of them), side by side the
     lanes do about the work they do one after the other, while a prompt's tokens ride in a
     memory-bound decode step almost for free: a short prompt beside a decode batch is fused
-    (`fused`, every SM, every decoding request's row). Not where the fused step would hold
-    the rows past the TPOT budget (the lanes then share the GPU and decode keeps stepping),
-    nor with fusing off."""
+    (`fused`, every SM, every decoding request's row). A prompt whose fused step would hold
+    the rows past the TPOT budget rides in the longest chunk that fits, and its rest in the
+    steps after; where not even a chunk fits beside the rows, the lanes share the GPU and
+    decode keeps stepping. Nothing is fused with fusing off."""
     policy = POLICIES["h100"]
-    decoding = tuple(SeqView(f"d{i}", 0.0, 1001, 1000, 63) for i in range(64))
+    budget = policy.slo.tpot_s * 0.8
 
-    def snap(prompt: int) -> BulletSnapshot:
-        waiting = (SeqView("w", 99.99, prompt, 0, 0),)
+    def snap(prompt: int, rows: int = 64, context: int = 1001, prefill=None) -> BulletSnapshot:
+        decoding = tuple(SeqView(f"d{i}", 0.0, context, context - 1, 63) for i in range(rows))
+        waiting = () if prefill else (SeqView("w", 99.99, prompt, 0, 0),)
         stats = LatencyStats(0.5, 0.05)
         return BulletSnapshot(
-            100.0, waiting, None, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
+            100.0, waiting, prefill, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
         )
 
     short = snap(64)
     plan = policy.plan_prefill(short)
-    gain, step_s = policy._fused(short, short.waiting, plan.prefill)
+    fusion = policy._fusion(short, short.waiting, plan.prefill)
     assert plan.split == Split(132, 0) and plan.split.rule == "fused"
-    assert [s.request_id for s in plan.prefill.decode] == [s.request_id for s in decoding]
+    assert [s.request_id for s in plan.prefill.decode] == [f"d{i}" for i in range(64)]
+    assert plan.prefill.chunk is None and plan.prefill.admitted == ("w",)
     assert policy.plan_decode(short).split.rule == "fused"
-    assert gain > 1.0 and step_s <= policy.slo.tpot_s * 0.8
+    assert fusion.gain > 1.0 and fusion.seconds <= budget
 
     long = snap(8000)
     plan = policy.plan_prefill(long)
-    assert policy._fused(long, long.waiting, plan.prefill)[1] > policy.slo.tpot_s * 0.8
-    assert plan.split.rule == "decode-fewest" and 0 < plan.split.decode < 132
-    assert not plan.prefill.decode
+    chunk = plan.prefill.chunk
+    assert plan.split.rule == "fused" and plan.prefill.admitted == ("w",)
+    assert chunk is not None and chunk % CHUNK_GRANULE == 0 and chunk < 8000
+    assert policy._fused_step(long.waiting, None, (1001,) * 64).seconds > budget
+    assert policy._fused_step(long.waiting, chunk, (1001,) * 64).seconds <= budget
+    longer = chunk + CHUNK_GRANULE
+    assert policy._fused_step(long.waiting, longer, (1001,) * 64).seconds > budget
+    # Its rest, in flight between steps, goes on in chunks (nothing new is admitted).
+    begun = PrefillInFlight((SeqView("w", 99.99, 8000, chunk, 500),), 0)
+    plan = policy.plan_prefill(snap(8000, prefill=begun))
+    assert plan.split.rule == "fused" and plan.prefill.admitted == ()
+    assert plan.prefill.chunk is None or plan.prefill.chunk <= 8000 - chunk
+    # While a step of it runs, the decode lane does not plan for a fused step.
+    running = dataclasses.replace(begun, stepping=True)
+    assert policy.plan_decode(snap(8000, prefill=running)).split.rule != "fused"
+
+    crowded = snap(8000, rows=128, context=32_000)
+    assert policy._fused_step(crowded.waiting, CHUNK_GRANULE, (32_000,) * 128).seconds > budget
+    plan = policy.plan_prefill(crowded)
+    assert plan.split.rule != "fused" and not plan.prefill.decode
     assert POLICIES["h100-no-fuse"].plan_prefill(short).split.rule == "decode-fewest"
 
 

@@ -36,7 +36,6 @@ from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import DTYPE_NAMES, PLANS, measure_device
 from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
-    BulletPlan,
     BulletPolicy,
     BulletSnapshot,
     LatencyWindow,
@@ -57,13 +56,19 @@ IDLE_WAIT_S = 0.005
 
 @dataclass
 class PrefillBatch:
-    """The prefill lane's batch: whole prompts (plus tokens to recompute after preemption), and
-    the decoding requests whose next token rides in the same step (`cpu-fused`, `fused`)."""
+    """The prefill lane's batch: prompts (plus tokens to recompute after preemption) that it
+    computes in passes over the layers, a pass taking every prompt's rest or a chunk of the
+    batch's one prompt; the prompts join the decode lane after the pass that completes them.
+    Per pass: the device batch, each prompt's tokens in it and in the cache before it, and the
+    decoding requests whose next token rides in its step (`cpu-fused`, `fused`)."""
 
     requests: list[Request]
-    batch: StepBatch
+    batch: StepBatch | None = None
     hidden: torch.Tensor | None = None
     layers_done: int = 0
+    stepping: bool = False  # a step of it is running (or its bookkeeping not yet done)
+    pass_tokens: tuple[int, ...] = ()
+    pass_cached: tuple[int, ...] = ()
     fused: list[Request] = field(default_factory=list)
 
 
@@ -249,7 +254,7 @@ class LanedEngine(LLMEngine):
         prefill = None
         if self._prefill is not None:
             views = tuple(_view(r) for r in self._prefill.requests)
-            prefill = PrefillInFlight(views, self._prefill.layers_done)
+            prefill = PrefillInFlight(views, self._prefill.layers_done, self._prefill.stepping)
         return BulletSnapshot(
             now=time.monotonic(),
             waiting=tuple(_view(r) for r in self.waiting),
@@ -361,6 +366,7 @@ class LanedEngine(LLMEngine):
         self,
         split: Split,
         prefill_lens: tuple[int, ...],
+        prefill_cached: tuple[int, ...],
         decode_ctx: tuple[int, ...],
         layer_start: int = 0,
         layer_end: int | None = None,
@@ -373,6 +379,7 @@ class LanedEngine(LLMEngine):
         end = self.model_config.num_layers if layer_end is None else layer_end
         return ExecutionState(
             prefill_lens=prefill_lens if prefill_on else (),
+            prefill_cached=prefill_cached if prefill_on and any(prefill_cached) else (),
             prefill_units=(split.prefill or total) if prefill_on else 0,
             decode_ctx=decode_ctx if decode_on else (),
             decode_units=(split.decode or total) if decode_on else 0,
@@ -422,8 +429,11 @@ class LanedEngine(LLMEngine):
                     continue
                 self._computing["prefill"] = self._share("prefill", plan.split)
                 if plan.prefill.admitted:
-                    self._admit(plan)
+                    self._admit(plan.prefill.admitted)
                 batch = self._prefill
+                batch.stepping = True
+                if plan.prefill.layer_start == 0:
+                    self._begin_pass(batch, plan.prefill)
             start = time.perf_counter()
             hidden, logits, runner_s = self._on_units(
                 "prefill", plan.split, partial(self._prefill_step, batch, plan.prefill)
@@ -431,17 +441,18 @@ class LanedEngine(LLMEngine):
             measured = time.perf_counter() - start
             with self._state:
                 batch.hidden, batch.layers_done = hidden, plan.prefill.layer_end
-                prompts = tuple(r.num_tokens for r in batch.requests)
+                batch.stepping = False
                 if batch.fused:
                     es, _ = fused_step_state(
-                        [(n, 0) for n in prompts],
+                        list(zip(batch.pass_tokens, batch.pass_cached, strict=True)),
                         [r.num_tokens for r in batch.fused],
                         self.units.total,
                     )
                 else:
                     es = self._execution_state(
                         plan.split,
-                        prompts,
+                        batch.pass_tokens,
+                        batch.pass_cached,
                         tuple(r.num_tokens for r in self.running),
                         plan.prefill.layer_start,
                         plan.prefill.layer_end,
@@ -452,21 +463,22 @@ class LanedEngine(LLMEngine):
                     es,
                     measured,
                     batch_size=len(batch.requests),
-                    tokens=sum(prompts) + len(batch.fused),
+                    tokens=sum(batch.pass_tokens) + len(batch.fused),
                     fused_decode=len(batch.fused),
                     layers=[plan.prefill.layer_start, plan.prefill.layer_end],
                     runner_s=runner_s,
                 )
-                if logits is not None:
-                    self._finish_prefill(batch, logits)
+                if plan.prefill.layer_end == self.model_config.num_layers:
+                    self._end_pass(batch, logits)
                 self._state.notify_all()
 
     @torch.inference_mode()
     def _prefill_step(
         self, batch: PrefillBatch, step: PrefillStep
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """The layer group's hidden states, the logits when it was the last group, and the
-        seconds the model took (on the thread that ran it, without the hand-off to it)."""
+        """The layer group's hidden states, the logits when it was the last group and a row
+        samples, and the seconds the model took (on the thread that ran it, without the
+        hand-off to it)."""
         start = time.perf_counter()
         hidden = batch.hidden
         if hidden is None:
@@ -480,7 +492,7 @@ class LanedEngine(LLMEngine):
             step.layer_end,
         )
         logits = None
-        if step.layer_end == self.model_config.num_layers:
+        if step.layer_end == self.model_config.num_layers and batch.batch.sampling_order:
             logits = self.runner.logits(hidden, batch.batch)
         self.units.synchronize()  # the step's device time, not its launch time
         return hidden, logits, time.perf_counter() - start
@@ -501,35 +513,70 @@ class LanedEngine(LLMEngine):
         )
         return list(zip(tokens, logprobs, strict=True)), runner_s
 
-    def _admit(self, plan: BulletPlan) -> None:
-        admitted = set(plan.prefill.admitted)
-        requests = [r for r in self.waiting if r.request_id in admitted]
+    def _admit(self, admitted: tuple[str, ...]) -> None:
+        """Move the admitted prompts from the queue into a new batch, with KV for all of them.
+        The whole batch counts as busy until its prefill ends: an abort between layer groups
+        or chunks must not free blocks a later step writes."""
+        ids = set(admitted)
+        requests = [r for r in self.waiting if r.request_id in ids]
         for request in requests:
             self.waiting.remove(request)
             self._grow_blocks(request, request.num_tokens)
             request.state = RequestState.PREFILLING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.monotonic()
-        works = [SeqWork(r.token_ids(0, r.num_tokens), 0, r.block_table, True) for r in requests]
-        by_id = {r.request_id: r for r in self.running}
-        fused = [by_id[s.request_id] for s in plan.prefill.decode]
-        for request in fused:
-            self._grow_blocks(request, request.num_tokens)
-        works += [_decode_work(r) for r in fused]
-        self._prefill = PrefillBatch(requests, self.runner.prepare(works), fused=fused)
-        # The whole batch counts as busy until its prefill ends: an abort between layer groups
-        # must not free blocks the next group writes.
-        self._busy.update(r.request_id for r in requests + fused)
+        self._prefill = PrefillBatch(requests)
+        self._busy.update(r.request_id for r in requests)
 
-    def _finish_prefill(self, batch: PrefillBatch, logits: torch.Tensor) -> None:
-        """Sample the batch's first tokens (and the fused decode rows' next ones): the prompts
-        join the decode lane."""
-        self._prefill = None
-        members = batch.requests + batch.fused  # in the order of the step's works
-        self._busy.difference_update(r.request_id for r in members)
+    def _begin_pass(self, batch: PrefillBatch, step: PrefillStep) -> None:
+        """Prepare the device batch of a pass: each prompt's rest (or the step's chunk of the
+        one prompt), and the decoding requests fused into the step."""
+        works = []
+        for request in batch.requests:
+            start = request.num_computed_tokens
+            end = request.num_tokens if step.chunk is None else start + step.chunk
+            works.append(
+                SeqWork(
+                    request.token_ids(start, end),
+                    start,
+                    request.block_table,
+                    end == request.num_tokens,
+                )
+            )
+        batch.pass_tokens = tuple(len(w.token_ids) for w in works)
+        batch.pass_cached = tuple(w.start for w in works)
+        by_id = {r.request_id: r for r in self.running}
+        batch.fused = [by_id[s.request_id] for s in step.decode]
+        for request in batch.fused:
+            self._grow_blocks(request, request.num_tokens)
+        works += [_decode_work(r) for r in batch.fused]
+        self._busy.update(r.request_id for r in batch.fused)
+        batch.batch, batch.hidden = self.runner.prepare(works), None
+
+    def _end_pass(self, batch: PrefillBatch, logits: torch.Tensor | None) -> None:
+        """After a pass's last layer: sample the first tokens of the prompts it completed (and
+        the fused decode rows' next ones); those prompts join the decode lane. A prompt with
+        chunks to go stays in the lane, unless it was aborted."""
+        step_batch, fused = batch.batch, batch.fused
+        for request, cached, tokens in zip(
+            batch.requests, batch.pass_cached, batch.pass_tokens, strict=True
+        ):
+            request.num_computed_tokens = cached + tokens
+        for request in fused:
+            request.num_computed_tokens = request.num_tokens
+        complete = all(r.num_computed_tokens == r.num_tokens for r in batch.requests)
+        ends = complete or all(r.is_finished for r in batch.requests)
+        members = batch.requests + fused  # in the order of the step's works
+        leaving = members if ends else fused
+        self._busy.difference_update(r.request_id for r in leaving)
+        if ends:
+            self._prefill = None
+        else:
+            batch.layers_done, batch.batch, batch.hidden, batch.fused = 0, None, None, []
         live: list[tuple[int, Request]] = []
         for work, request in enumerate(members):
-            request.num_computed_tokens = request.num_tokens
+            if work < len(batch.requests) and not ends:
+                continue
             if request.is_finished:  # aborted while its step ran: its token is dropped
                 self._release_blocks(request)
             else:
@@ -537,7 +584,7 @@ class LanedEngine(LLMEngine):
         if not live:
             return
         # Logits come in the step's row order (prompts of one token sit with the decode rows).
-        row_of = {work: row for row, work in enumerate(batch.batch.sampling_order)}
+        row_of = {work: row for row, work in enumerate(step_batch.sampling_order)}
         requests = [request for _, request in live]
         tokens, logprobs = self.sampler.sample(
             logits[[row_of[work] for work, _ in live]], requests, [r.stop_ids for r in requests]
@@ -581,9 +628,10 @@ class LanedEngine(LLMEngine):
                     self._grow_blocks(request, request.num_tokens)
                 works = [_decode_work(r) for r in requests]
                 self._busy.update(r.request_id for r in requests)
-                prefill_lens = ()
+                prefill_lens, prefill_cached = (), ()
                 if self._prefill is not None:
-                    prefill_lens = tuple(r.num_tokens for r in self._prefill.requests)
+                    prefill_lens = self._prefill.pass_tokens
+                    prefill_cached = self._prefill.pass_cached
             start = time.perf_counter()
             sampled, runner_s = self._on_units(
                 "decode", plan.split, partial(self._decode_step, works, requests)
@@ -592,7 +640,7 @@ class LanedEngine(LLMEngine):
             with self._state:
                 self._busy.difference_update(r.request_id for r in requests)
                 es = self._execution_state(
-                    plan.split, prefill_lens, tuple(r.num_tokens for r in requests)
+                    plan.split, prefill_lens, prefill_cached, tuple(r.num_tokens for r in requests)
                 )
                 self._log_step(
                     "decode",

@@ -22,6 +22,9 @@ RISK_SHARE = 0.7
 # Decode gets units for a predicted step time within this share of the TPOT SLO.
 TPOT_HEADROOM = 0.8
 STATS_WINDOW = 64  # recent requests behind the P90 TTFT and TPOT the scheduler sees
+# A prompt too long for a fused step within the TPOT budget rides in chunks of a multiple of
+# this many tokens (its last chunk: what is left).
+CHUNK_GRANULE = 64
 # The rules of `BulletPolicy.choose_split`, as a split (and the step log) names them.
 SPLIT_RULES = {
     "none": "--partition none: both lanes on every unit",
@@ -149,10 +152,13 @@ def parse_partition(text: str, total_units: int | None = None) -> tuple[str, Spl
 
 @dataclass(frozen=True)
 class PrefillInFlight:
-    """The prefill lane's current batch and how many layers it has run."""
+    """The prefill lane's current batch, how many layers of its current pass it has run, and
+    whether a step of it is running now. A batch whose prompt has computed some chunks and has
+    more to go is in flight with `layers_done` 0 between its steps."""
 
     requests: tuple[SeqView, ...]
     layers_done: int
+    stepping: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,12 +180,27 @@ class PrefillStep:
     """Run layers [layer_start, layer_end) of the batch; `admitted` is non-empty when the step
     starts a new batch from the waiting queue. `decode` holds the decoding requests whose next
     token the step computes too, fused into its batch (rules `cpu-fused`, `fused`); the decode
-    lane pauses meanwhile."""
+    lane pauses meanwhile. `chunk` is set when the step computes only the next `chunk` tokens
+    of the batch's one prompt (a fused step that would not fit the TPOT budget whole); the
+    prompt stays in the prefill lane until its last chunk."""
 
     admitted: tuple[str, ...]
     layer_start: int
     layer_end: int
     decode: tuple[ScheduledSeq, ...] = ()
+    chunk: int | None = None
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A fused step the policy could run: its prompts (the batch, or its first prompt alone),
+    the chunk of that prompt (None: every prompt's rest), its work per second against a
+    prefill step and a decode step one after the other (`gain`), and its predicted time."""
+
+    prompts: tuple[SeqView, ...]
+    chunk: int | None
+    gain: float
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -238,11 +259,12 @@ class BulletPolicy:
         if batch:
             group = self.layers_per_step or self.num_layers
             step = PrefillStep(admitted, done, min(self.num_layers, done + group))
-        split = self.choose_split(snap, batch, step)
-        if split.rule in ("cpu-fused", "fused"):
-            assert step is not None
+        split, fusion = self._decide(snap, batch, step)
+        if fusion is not None:
             rows = tuple(ScheduledSeq(s.request_id, 1) for s in snap.decoding)
-            step = PrefillStep(step.admitted, step.layer_start, step.layer_end, rows)
+            if admitted:
+                admitted = tuple(s.request_id for s in fusion.prompts)
+            step = PrefillStep(admitted, 0, self.num_layers, rows, fusion.chunk)
         return BulletPlan(split, prefill=step)
 
     def plan_decode(self, snap: BulletSnapshot) -> BulletPlan:
@@ -285,21 +307,32 @@ class BulletPolicy:
         step: PrefillStep | None,
         decode: tuple[ScheduledSeq, ...] | None = None,
     ) -> Split:
+        return self._decide(snap, prefill_batch, step, decode)[0]
+
+    def _decide(
+        self,
+        snap: BulletSnapshot,
+        prefill_batch: tuple[SeqView, ...],
+        step: PrefillStep | None,
+        decode: tuple[ScheduledSeq, ...] | None = None,
+    ) -> tuple[Split, Fusion | None]:
+        """The split, and the fused step when the rule is `cpu-fused` or `fused`."""
         total = self.units.total
         if self.partition == "none":
-            return Split(total, total, "none")
+            return Split(total, total, "none"), None
         has_prefill = bool(prefill_batch)
         has_decode = bool(snap.decoding) if decode is None else bool(decode)
         if not has_prefill:
-            return Split(0, total, "no-prefill")
+            return Split(0, total, "no-prefill"), None
         if not has_decode:
-            return Split(total, 0, "no-decode")
+            return Split(total, 0, "no-decode"), None
         if self.partition == "static":
-            return self.static_split
+            return self.static_split, None
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         lens = tuple(s.num_remaining for s in prefill_batch)
+        cached = tuple(s.num_computed_tokens for s in prefill_batch)
         layers = (step.layer_end - step.layer_start) if step else self.num_layers
         if step is not None and step.layer_end >= self.num_layers:
             # The batch joins decode after this step: size decode for the batch it will have.
@@ -324,12 +357,13 @@ class BulletPolicy:
         if self.perf.hw.kind == "cpu":
             remaining = self.num_layers - (step.layer_start if step else 0)
             shares = self._co_running_shares(
-                snap.now, prefill_batch, lens, decode_ctx, layers, remaining
+                snap.now, prefill_batch, lens, cached, decode_ctx, layers, remaining
             )
-            if self._fused(snap, prefill_batch, step)[0] > max(1.0, shares):
-                return Split(total, 0, "cpu-fused")
+            fusion = self._fusion(snap, prefill_batch, step)
+            if fusion is not None and fusion.gain > max(1.0, shares):
+                return Split(total, 0, "cpu-fused"), fusion
             if shares <= 1.0:
-                return Split(total, 0, "cpu-turns")
+                return Split(total, 0, "cpu-turns"), None
         else:
             # On a GPU a small prefill beside a big decode batch gains little from SMs of its
             # own: the decode step is bound by memory bandwidth, and the prompt's tokens ride
@@ -338,27 +372,30 @@ class BulletPolicy:
             # where that does the most work a second, 94.9% attainment against 77.3% without
             # (prefill and decode otherwise took turns on the whole GPU at the 256-sequence
             # cap). Unlike taking turns on a CPU, the alternative here keeps decode stepping
-            # beside the prefill, so a fused step must also fit in the TPOT budget.
-            gain, fused_s = self._fused(snap, prefill_batch, step)
-            if gain > 1.0 and fused_s <= slo.tpot_s * TPOT_HEADROOM:
+            # beside the prefill, so a fused step must also fit in the TPOT budget: a prompt
+            # too long for that rides in chunks, as in chunked prefill. (Simulated on the
+            # H200's measured profile, arxiv-sum-like, whole prompts that could not fuse ran
+            # beside decode at about 1 s a step while the queue built.)
+            fusion = self._fusion(snap, prefill_batch, step)
+            if fusion is not None and fusion.gain > 1.0:
                 remaining = self.num_layers - (step.layer_start if step else 0)
                 shares = self._co_running_shares(
-                    snap.now, prefill_batch, lens, decode_ctx, layers, remaining
+                    snap.now, prefill_batch, lens, cached, decode_ctx, layers, remaining
                 )
-                if gain > shares:
-                    return Split(total, 0, "fused")
+                if fusion.gain > shares:
+                    return Split(total, 0, "fused"), fusion
         # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
         # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
         # until prefill had none, and no first token (the only TTFT evidence) would come.
         risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
         ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
-        if tpot_ok and risky and self._decode_can_pause(lens, decode_ctx, layers):
-            return Split(total, 0, "at-risk-first")
+        if tpot_ok and risky and self._decode_can_pause(lens, cached, decode_ctx, layers):
+            return Split(total, 0, "at-risk-first"), None
         if not ttft_ok and not tpot_ok:
             rule = "balance"
             decode_units = self._round_down(total // 2) or self.units.counts()[0]
         else:
-            d_min = self._fewest_decode_units(lens, decode_ctx, layers)
+            d_min = self._fewest_decode_units(lens, cached, decode_ctx, layers)
             if tpot_ok:
                 rule, decode_units = "decode-fewest", d_min
             else:
@@ -366,10 +403,14 @@ class BulletPolicy:
                 rule, decode_units = "decode-grows", min(total, max(d_min, self._round_down(grown)))
         if total - decode_units < self.units.least_remainder:
             decode_units = total  # too little would be left to run a prefill on
-        return Split(total - decode_units, decode_units, rule)
+        return Split(total - decode_units, decode_units, rule), None
 
     def _fewest_decode_units(
-        self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
+        self,
+        prefill_lens: tuple[int, ...],
+        cached: tuple[int, ...],
+        decode_ctx: tuple[int, ...],
+        layers: int,
     ) -> int:
         """Fewest units that keep the co-running decode step within the TPOT SLO and that
         it does not outlast the prefill step beside it (leaving the prefill lane at least its
@@ -387,6 +428,7 @@ class BulletPolicy:
         for d in candidates:
             es = ExecutionState(
                 prefill_lens=prefill_lens,
+                prefill_cached=_cached(cached),
                 prefill_units=self.units.total - d,
                 decode_ctx=decode_ctx,
                 decode_units=d,
@@ -403,6 +445,7 @@ class BulletPolicy:
         now: float,
         batch: tuple[SeqView, ...],
         lens: tuple[int, ...],
+        cached: tuple[int, ...],
         decode_ctx: tuple[int, ...],
         layers: int,
         remaining_layers: int,
@@ -420,12 +463,13 @@ class BulletPolicy:
         one thread beside a 16-row decode and the decode 0.85 of its own, 1.47 in all. Where
         the threads split compute and bandwidth evenly, the shares sum to about 1."""
         total = self.units.total
-        d = self._fewest_decode_units(lens, decode_ctx, layers)
+        d = self._fewest_decode_units(lens, cached, decode_ctx, layers)
         if total - d <= 0:
             return 0.0
         side_by_side = self.perf.predict(
             ExecutionState(
                 prefill_lens=lens,
+                prefill_cached=_cached(cached),
                 prefill_units=total - d,
                 decode_ctx=decode_ctx,
                 decode_units=d,
@@ -439,41 +483,83 @@ class BulletPolicy:
         )
         if not in_time:
             return 0.0
-        prefill_alone, decode_alone = self._alone_s(lens, decode_ctx, layers)
+        prefill_alone, decode_alone = self._alone_s(lens, cached, decode_ctx, layers)
         return prefill_alone / side_by_side.prefill_s + decode_alone / side_by_side.decode_s
 
-    def _fused(
+    def _fusion(
         self, snap: BulletSnapshot, batch: tuple[SeqView, ...], step: PrefillStep | None
-    ) -> tuple[float, float]:
-        """(gain, seconds) of one step that runs the prefill and the decode rows together on
-        every unit: its work per second against a prefill step and a decode step one after the
-        other (1.0), and its predicted time. (0.0, inf) where fusing is off or cannot be done:
-        the decode rows must run every layer in the step, so the step must start a batch and
-        run all of its layers. (The KV blocks of the rows' next tokens are there: `_form_batch`
-        admits prompts only beside a free block per decoding request.) `choose_split` asks
-        only under `auto`, with both phases waiting."""
+    ) -> Fusion | None:
+        """The fused step to weigh against the lanes' other ways of running, or None where
+        fusing is off or cannot be done: the decode rows must run every layer in the step, so
+        the step must run all layers of a pass that no running step has begun. (The KV blocks
+        of the rows' next tokens are there: `_form_batch` admits prompts only beside a free
+        block per decoding request.) The whole batch where its step fits the TPOT budget; else
+        the longest chunk of its first prompt, in CHUNK_GRANULE tokens, that does; else, on a
+        CPU, where the alternative (turns) pauses decode for the whole prefill anyway, the
+        whole batch, and on a GPU, where decode keeps stepping beside a prefill, none.
+        `choose_split` asks only under `auto`, with both phases waiting."""
         if (
             not self.fuse_decode
             or step is None
-            or snap.prefill is not None
             or step.layer_start != 0
             or step.layer_end != self.num_layers
+            or (snap.prefill is not None and snap.prefill.stepping)
         ):
-            return 0.0, math.inf
-        lens = tuple(s.num_remaining for s in batch)
+            return None
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
-        prefill_alone, decode_alone = self._alone_s(lens, decode_ctx, self.num_layers)
-        fused, _ = fused_step_state([(n, 0) for n in lens], list(decode_ctx), self.units.total)
-        fused_s = self.perf.predict(fused).prefill_s
-        return (prefill_alone + decode_alone) / fused_s, fused_s
+        budget = self.slo.tpot_s * TPOT_HEADROOM
+        whole = self._fused_step(batch, None, decode_ctx)
+        if whole.seconds <= budget:
+            return whole
+        first = batch[0]
+        # A fused step's time grows with its chunk: bisect for the longest that fits.
+        sizes = -(-first.num_remaining // CHUNK_GRANULE)
+        fits, low, high = None, 1, sizes
+        while low <= high:
+            middle = (low + high) // 2
+            tokens = min(middle * CHUNK_GRANULE, first.num_remaining)
+            chunk = tokens if tokens < first.num_remaining else None
+            candidate = self._fused_step((first,), chunk, decode_ctx)
+            if candidate.seconds <= budget:
+                fits, low = candidate, middle + 1
+            else:
+                high = middle - 1
+        if fits is not None:
+            return fits
+        return whole if self.perf.hw.kind == "cpu" else None
+
+    def _fused_step(
+        self, prompts: tuple[SeqView, ...], chunk: int | None, decode_ctx: tuple[int, ...]
+    ) -> Fusion:
+        """A fused step of `prompts` (the next `chunk` tokens of the one prompt, if set) and a
+        token of every decoding request on every unit."""
+        if chunk is None:
+            pieces = [(s.num_remaining, s.num_computed_tokens) for s in prompts]
+        else:
+            pieces = [(chunk, prompts[0].num_computed_tokens)]
+        lens = tuple(n for n, _ in pieces)
+        cached = tuple(c for _, c in pieces)
+        prefill_alone, decode_alone = self._alone_s(lens, cached, decode_ctx, self.num_layers)
+        fused, _ = fused_step_state(pieces, list(decode_ctx), self.units.total)
+        seconds = self.perf.predict(fused).prefill_s
+        return Fusion(prompts, chunk, (prefill_alone + decode_alone) / seconds, seconds)
 
     def _alone_s(
-        self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
+        self,
+        prefill_lens: tuple[int, ...],
+        cached: tuple[int, ...],
+        decode_ctx: tuple[int, ...],
+        layers: int,
     ) -> tuple[float, float]:
         """(prefill step, decode step) each alone on every unit."""
         total = self.units.total
         prefill = self.perf.predict(
-            ExecutionState(prefill_lens=prefill_lens, prefill_units=total, prefill_layers=layers)
+            ExecutionState(
+                prefill_lens=prefill_lens,
+                prefill_cached=_cached(cached),
+                prefill_units=total,
+                prefill_layers=layers,
+            )
         ).prefill_s
         decode = self.perf.predict(
             ExecutionState(decode_ctx=decode_ctx, decode_units=total)
@@ -481,12 +567,16 @@ class BulletPolicy:
         return prefill, decode
 
     def _decode_can_pause(
-        self, prefill_lens: tuple[int, ...], decode_ctx: tuple[int, ...], layers: int
+        self,
+        prefill_lens: tuple[int, ...],
+        cached: tuple[int, ...],
+        decode_ctx: tuple[int, ...],
+        layers: int,
     ) -> bool:
         """Whether a full-device prefill step followed by a full-device decode step still fits
         in one TPOT: then decode may wait out the prefill step."""
         budget = self.slo.tpot_s * TPOT_HEADROOM
-        return sum(self._alone_s(prefill_lens, decode_ctx, layers)) <= budget
+        return sum(self._alone_s(prefill_lens, cached, decode_ctx, layers)) <= budget
 
     def _round_down(self, units: int) -> int:
         valid = [c for c in self.units.counts() if c <= units]
@@ -548,3 +638,8 @@ class BulletPolicy:
                 return tokens // 2
             best = per_token if best is None else min(best, per_token)
         return 2**14
+
+
+def _cached(cached: tuple[int, ...]) -> tuple[int, ...]:
+    """Prompts' tokens already in the KV cache as ExecutionState takes them (() for none)."""
+    return cached if any(cached) else ()

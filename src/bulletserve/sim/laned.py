@@ -46,7 +46,10 @@ class LaneStep:
     started: float
     split: Split  # the plan's split the step started under (the step log's, as the engine's)
     layers: tuple[int, int] = (0, 0)
-    lengths: tuple[int, ...] = ()  # the requests' tokens when the step started
+    # Decode: the requests' contexts when the step started. Prefill: each prompt's tokens in
+    # the step's pass, and those in the KV cache before it.
+    lengths: tuple[int, ...] = ()
+    cached: tuple[int, ...] = ()
     work_left: float = 1.0
     since: float = 0.0
     duration: float = 0.0
@@ -82,6 +85,9 @@ class LanedSimulator:
         self.window = LatencyWindow(policy.slo)
         self.prefill_batch: list[SimRequest] | None = None
         self.layers_done = 0
+        # The prefill batch's current pass: each prompt's tokens in it and cached before it.
+        self.pass_tokens: tuple[int, ...] = ()
+        self.pass_cached: tuple[int, ...] = ()
         self.steps: dict[str, LaneStep | None] = dict.fromkeys(LANES)
         self.wake_at: dict[str, float | None] = dict.fromkeys(LANES)  # None: not waiting
         self.ready = set(LANES)
@@ -147,7 +153,9 @@ class LanedSimulator:
     def _snapshot(self, now: float) -> BulletSnapshot:
         prefill = None
         if self.prefill_batch is not None:
-            prefill = PrefillInFlight(tuple(r.view() for r in self.prefill_batch), self.layers_done)
+            views = tuple(r.view() for r in self.prefill_batch)
+            stepping = self.steps["prefill"] is not None
+            prefill = PrefillInFlight(views, self.layers_done, stepping)
         return BulletSnapshot(
             now=now,
             waiting=tuple(r.view() for r in self.state.waiting),
@@ -176,8 +184,11 @@ class LanedSimulator:
             if plan.prefill.admitted:
                 self._admit(plan.prefill.admitted)
             assert self.prefill_batch is not None
+            if plan.prefill.layer_start == 0:
+                self._begin_pass(plan.prefill.chunk)
             layers = (plan.prefill.layer_start, plan.prefill.layer_end)
             step = LaneStep(self.prefill_batch, units, self.noise.factor(), now, plan.split, layers)
+            step.lengths, step.cached = self.pass_tokens, self.pass_cached
             by_id = {r.request_id: r for r in self.state.running}
             step.fused = [by_id[s.request_id] for s in plan.prefill.decode]
             for request in step.fused:
@@ -217,14 +228,32 @@ class LanedSimulator:
         self.prefill_batch = requests
         self.layers_done = 0
 
+    def _begin_pass(self, chunk: int | None) -> None:
+        """A pass over the layers: every prompt's rest, or the next `chunk` tokens of the one."""
+        batch = self.prefill_batch or []
+        self.pass_cached = tuple(r.num_computed_tokens for r in batch)
+        if chunk is None:
+            self.pass_tokens = tuple(r.num_tokens - r.num_computed_tokens for r in batch)
+        else:
+            self.pass_tokens = (chunk,)
+
     # ---- step timing ------------------------------------------------------------------------
 
     def _start(self, lane: str, step: LaneStep) -> None:
         step.since = step.started
-        step.lengths = tuple(r.num_tokens for r in step.requests)
+        if lane == "decode":
+            step.lengths = tuple(r.num_tokens for r in step.requests)
+            sampled = len(step.requests)
+        elif step.layers[1] == self.num_layers:
+            completes = all(
+                c + n == r.num_tokens
+                for r, c, n in zip(step.requests, step.cached, step.lengths, strict=True)
+            )
+            sampled = (len(step.requests) if completes else 0) + len(step.fused)
+        else:
+            sampled = 0
         step.fused_ctx = tuple(r.num_tokens for r in step.fused)
-        samples = lane == "decode" or step.layers[1] == self.num_layers
-        step.host_s = self.perf.host_s(len(step.requests) + len(step.fused) if samples else 0)
+        step.host_s = self.perf.host_s(sampled)
         self.steps[lane] = step
         step.state = self._execution_state()
         self._rerate(step.started)
@@ -249,11 +278,12 @@ class LanedSimulator:
         prefill, decode = self.steps["prefill"], self.steps["decode"]
         if prefill is not None and prefill.fused:
             # The decode lane is paused: one batch of the prompts and the decode rows.
-            prompts = [(n, 0) for n in prefill.lengths]
+            prompts = list(zip(prefill.lengths, prefill.cached, strict=True))
             return fused_step_state(prompts, list(prefill.fused_ctx), prefill.units)[0]
         start, end = prefill.layers if prefill else (0, self.num_layers)
         return ExecutionState(
             prefill_lens=prefill.lengths if prefill else (),
+            prefill_cached=prefill.cached if prefill and any(prefill.cached) else (),
             prefill_units=prefill.units if prefill else 0,
             decode_ctx=decode.lengths if decode else (),
             decode_units=decode.units if decode else 0,
@@ -288,7 +318,14 @@ class LanedSimulator:
             }
             self.layers_done = step.layers[1]
             if step.layers[1] == self.num_layers:
-                self._finish_prefill(now)
+                for request, cached, tokens in zip(
+                    step.requests, step.cached, step.lengths, strict=True
+                ):
+                    request.num_computed_tokens = cached + tokens
+                if all(r.num_computed_tokens == r.num_tokens for r in step.requests):
+                    self._finish_prefill(now)
+                else:  # a chunk: the prompt's rest comes in later passes
+                    self.layers_done = 0
             self._append_tokens(step.fused, now)
         else:
             record["tokens"] = len(step.requests)
