@@ -130,14 +130,12 @@ def test_plans_are_valid(name):
         if step is not None:
             assert 0 <= step.layer_start < step.layer_end <= policy.num_layers
             if step.admitted:
-                # Prompts join a batch in flight only in a fused step, behind its chunked one.
-                in_flight = snap.prefill.requests if snap.prefill else ()
-                assert not in_flight or step.decode
+                assert snap.prefill is None
                 admitted = [s for s in snap.waiting if s.request_id in step.admitted]
-                # Admissions never exceed KV capacity (a batch in flight holds its own).
+                # Admissions never exceed KV capacity.
                 need = sum(-(-s.num_tokens // BLOCK) for s in admitted)
                 assert need <= snap.free_blocks
-                assert len(in_flight) + len(admitted) + len(snap.decoding) <= snap.max_num_seqs
+                assert len(admitted) + len(snap.decoding) <= snap.max_num_seqs
                 # An at-risk request is never passed over by one that is not at risk.
                 risky = [s for s in snap.waiting if policy.at_risk(s, snap.now)]
                 if risky:
@@ -158,22 +156,17 @@ def test_plans_are_valid(name):
         if step is not None and step.decode:
             # Decode rows ride only in a step that runs all layers of a pass no step has begun,
             # carrying every decoding request, with KV for the prompts and the rows; a chunk
-            # only of the batch's last prompt, short of its rest, the step's prompt tokens a
-            # multiple of CHUNK_GRANULE.
+            # only of a batch's one prompt, short of its rest.
             fused_rule = "cpu-fused" if policy.perf.hw.kind == "cpu" else "fused"
             assert prefill_plan.split == Split(total, 0, fused_rule)
             assert (step.layer_start, step.layer_end) == (0, policy.num_layers)
             in_flight = snap.prefill
             assert in_flight is None or (in_flight.layers_done == 0 and not in_flight.stepping)
-            assert in_flight is not None or step.admitted
-            by_id = {s.request_id: s for s in snap.waiting}
-            prompts = (in_flight.requests if in_flight else ()) + tuple(
-                by_id[i] for i in step.admitted
-            )
+            assert bool(step.admitted) == (in_flight is None)
+            prompts = in_flight.requests if in_flight else batch
             if step.chunk is not None:
-                assert 0 < step.chunk < prompts[-1].num_remaining
-                tokens = sum(s.num_remaining for s in prompts[:-1]) + step.chunk
-                assert tokens % CHUNK_GRANULE == 0
+                assert len(prompts) == 1 and step.chunk % CHUNK_GRANULE == 0
+                assert 0 < step.chunk < prompts[0].num_remaining
             assert [s.request_id for s in step.decode] == [s.request_id for s in snap.decoding]
             need = sum(
                 -(-s.num_tokens // BLOCK) for s in snap.waiting if s.request_id in step.admitted
@@ -389,18 +382,14 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     memory-bound decode step almost for free: a short prompt beside a decode batch is fused
     (`fused`, every SM, every decoding request's row). A prompt whose fused step would hold
     the rows past the TPOT budget rides in the longest chunk that fits, and its rest in the
-    steps after, with waiting prompts packed behind its last chunk; where not even a chunk
-    fits beside the rows, the lanes share the GPU and decode keeps stepping. Nothing is fused
-    with fusing off."""
+    steps after; where not even a chunk fits beside the rows, the lanes share the GPU and
+    decode keeps stepping. Nothing is fused with fusing off."""
     policy = POLICIES["h100"]
     budget = policy.slo.tpot_s * 0.8
 
-    def snap(
-        prompt: int, rows: int = 64, context: int = 1001, prefill=None, waiting=None
-    ) -> BulletSnapshot:
+    def snap(prompt: int, rows: int = 64, context: int = 1001, prefill=None) -> BulletSnapshot:
         decoding = tuple(SeqView(f"d{i}", 0.0, context, context - 1, 63) for i in range(rows))
-        if waiting is None:
-            waiting = () if prefill else (SeqView("w", 99.99, prompt, 0, 0),)
+        waiting = () if prefill else (SeqView("w", 99.99, prompt, 0, 0),)
         stats = LatencyStats(0.5, 0.05)
         return BulletSnapshot(
             100.0, waiting, prefill, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
@@ -429,17 +418,6 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     plan = policy.plan_prefill(snap(8000, prefill=begun))
     assert plan.split.rule == "fused" and plan.prefill.admitted == ()
     assert plan.prefill.chunk is None or plan.prefill.chunk <= 8000 - chunk
-    # Its last chunk does not ride alone: waiting prompts fill the step behind it, the last
-    # of them cut to what fits.
-    tail = PrefillInFlight((SeqView("w", 99.99, 8000, 8000 - 100, 500),), 0)
-    queued = tuple(SeqView(f"q{i}", 99.995, 8000, 0, 0) for i in range(2))
-    plan = policy.plan_prefill(snap(8000, prefill=tail, waiting=queued))
-    assert plan.split.rule == "fused" and plan.prefill.admitted == ("q0",)
-    assert plan.prefill.chunk is not None and (100 + plan.prefill.chunk) % CHUNK_GRANULE == 0
-    packed = (tail.requests[0], queued[0])
-    assert policy._fused_step(packed, plan.prefill.chunk, (1001,) * 64).seconds <= budget
-    more = plan.prefill.chunk + CHUNK_GRANULE
-    assert policy._fused_step(packed, more, (1001,) * 64).seconds > budget
     # While a step of it runs, the decode lane does not plan for a fused step.
     running = dataclasses.replace(begun, stepping=True)
     assert policy.plan_decode(snap(8000, prefill=running)).split.rule != "fused"

@@ -57,9 +57,8 @@ IDLE_WAIT_S = 0.005
 @dataclass
 class PrefillBatch:
     """The prefill lane's batch: prompts (plus tokens to recompute after preemption) that it
-    computes in passes over the layers, a pass taking every prompt's rest, or the last one's
-    chunk; the prompts join the decode lane after the pass that completes them, and prompts
-    may join a batch whose last prompt is between its chunks.
+    computes in passes over the layers, a pass taking every prompt's rest or a chunk of the
+    batch's one prompt; the prompts join the decode lane after the pass that completes them.
     Per pass: the device batch, each prompt's tokens in it and in the cache before it, and the
     decoding requests whose next token rides in its step (`cpu-fused`, `fused`)."""
 
@@ -515,34 +514,27 @@ class LanedEngine(LLMEngine):
         return list(zip(tokens, logprobs, strict=True)), runner_s
 
     def _admit(self, admitted: tuple[str, ...]) -> None:
-        """Move the admitted prompts from the queue into the batch (a new one, or behind the
-        prompt it has between chunks), with KV for all of them. A prompt counts as busy until
-        its prefill ends: an abort between layer groups or chunks must not free blocks a later
-        step writes."""
-        # In the plan's order: a step's chunk is its last prompt's.
-        by_id = {r.request_id: r for r in self.waiting}
-        requests = [by_id[request_id] for request_id in admitted]
+        """Move the admitted prompts from the queue into a new batch, with KV for all of them.
+        The whole batch counts as busy until its prefill ends: an abort between layer groups
+        or chunks must not free blocks a later step writes."""
+        ids = set(admitted)
+        requests = [r for r in self.waiting if r.request_id in ids]
         for request in requests:
             self.waiting.remove(request)
             self._grow_blocks(request, request.num_tokens)
             request.state = RequestState.PREFILLING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.monotonic()
-        if self._prefill is None:
-            self._prefill = PrefillBatch(requests)
-        else:
-            self._prefill.requests.extend(requests)
+        self._prefill = PrefillBatch(requests)
         self._busy.update(r.request_id for r in requests)
 
     def _begin_pass(self, batch: PrefillBatch, step: PrefillStep) -> None:
-        """Prepare the device batch of a pass: each prompt's rest (the last one's: the step's
-        chunk, if set), and the decoding requests fused into the step."""
+        """Prepare the device batch of a pass: each prompt's rest (or the step's chunk of the
+        one prompt), and the decoding requests fused into the step."""
         works = []
-        last = len(batch.requests) - 1
-        for index, request in enumerate(batch.requests):
+        for request in batch.requests:
             start = request.num_computed_tokens
-            cut = step.chunk is not None and index == last
-            end = start + step.chunk if cut else request.num_tokens
+            end = request.num_tokens if step.chunk is None else start + step.chunk
             works.append(
                 SeqWork(
                     request.token_ids(start, end),
@@ -565,29 +557,27 @@ class LanedEngine(LLMEngine):
         """After a pass's last layer: sample the first tokens of the prompts it completed (and
         the fused decode rows' next ones); those prompts join the decode lane. A prompt with
         chunks to go stays in the lane, unless it was aborted."""
-        step_batch, prompts, fused = batch.batch, batch.requests, batch.fused
+        step_batch, fused = batch.batch, batch.fused
         for request, cached, tokens in zip(
-            prompts, batch.pass_cached, batch.pass_tokens, strict=True
+            batch.requests, batch.pass_cached, batch.pass_tokens, strict=True
         ):
             request.num_computed_tokens = cached + tokens
         for request in fused:
             request.num_computed_tokens = request.num_tokens
-        staying = [r for r in prompts if r.num_computed_tokens < r.num_tokens and not r.is_finished]
-        staying_ids = {r.request_id for r in staying}
-        members = prompts + fused  # in the order of the step's works
-        self._busy.difference_update(
-            r.request_id for r in members if r.request_id not in staying_ids
-        )
-        if staying:
-            batch.requests, batch.layers_done = staying, 0
-            batch.batch, batch.hidden, batch.fused = None, None, []
-        else:
+        complete = all(r.num_computed_tokens == r.num_tokens for r in batch.requests)
+        ends = complete or all(r.is_finished for r in batch.requests)
+        members = batch.requests + fused  # in the order of the step's works
+        leaving = members if ends else fused
+        self._busy.difference_update(r.request_id for r in leaving)
+        if ends:
             self._prefill = None
+        else:
+            batch.layers_done, batch.batch, batch.hidden, batch.fused = 0, None, None, []
         live: list[tuple[int, Request]] = []
         for work, request in enumerate(members):
-            if request.request_id in staying_ids:
+            if work < len(batch.requests) and not ends:
                 continue
-            if request.is_finished:  # aborted while it was in the lane: its token is dropped
+            if request.is_finished:  # aborted while its step ran: its token is dropped
                 self._release_blocks(request)
             else:
                 live.append((work, request))
@@ -601,7 +591,7 @@ class LanedEngine(LLMEngine):
         )
         now = time.monotonic()
         for (work, request), token, logprob in zip(live, tokens, logprobs, strict=True):
-            if work < len(prompts):  # a prompt: it joins the decode lane
+            if work < len(batch.requests):  # a prompt: it joins the decode lane
                 self.running.append(request)
                 if not request.output_token_ids:  # not a recomputation after preemption
                     ttft = now - request.timings.arrival

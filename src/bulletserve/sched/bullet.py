@@ -22,8 +22,8 @@ RISK_SHARE = 0.7
 # Decode gets units for a predicted step time within this share of the TPOT SLO.
 TPOT_HEADROOM = 0.8
 STATS_WINDOW = 64  # recent requests behind the P90 TTFT and TPOT the scheduler sees
-# A fused step too long for the TPOT budget is cut to a multiple of this many prompt tokens
-# (its last prompt's chunk takes the cut).
+# A prompt too long for a fused step within the TPOT budget rides in chunks of a multiple of
+# this many tokens (its last chunk: what is left).
 CHUNK_GRANULE = 64
 # The rules of `BulletPolicy.choose_split`, as a split (and the step log) names them.
 SPLIT_RULES = {
@@ -177,13 +177,12 @@ class BulletSnapshot:
 
 @dataclass(frozen=True)
 class PrefillStep:
-    """Run layers [layer_start, layer_end) of the batch; `admitted` names the prompts that
-    join it from the waiting queue at this step (a new batch, or prompts packed behind one
-    that is between its chunks). `decode` holds the decoding requests whose next token the
-    step computes too, fused into its batch (rules `cpu-fused`, `fused`); the decode lane
-    pauses meanwhile. `chunk` is set when the step computes only the next `chunk` tokens of the
-    batch's last prompt (a fused step that would not fit the TPOT budget whole) and every
-    other prompt's rest; that prompt stays in the prefill lane until its last chunk."""
+    """Run layers [layer_start, layer_end) of the batch; `admitted` is non-empty when the step
+    starts a new batch from the waiting queue. `decode` holds the decoding requests whose next
+    token the step computes too, fused into its batch (rules `cpu-fused`, `fused`); the decode
+    lane pauses meanwhile. `chunk` is set when the step computes only the next `chunk` tokens
+    of the batch's one prompt (a fused step that would not fit the TPOT budget whole); the
+    prompt stays in the prefill lane until its last chunk."""
 
     admitted: tuple[str, ...]
     layer_start: int
@@ -194,9 +193,9 @@ class PrefillStep:
 
 @dataclass(frozen=True)
 class Fusion:
-    """A fused step the policy could run: its prompts, the chunk of the last of them (None:
-    every prompt's rest), its work per second against a prefill step and a decode step one
-    after the other (`gain`), and its predicted time."""
+    """A fused step the policy could run: its prompts (the batch, or its first prompt alone),
+    the chunk of that prompt (None: every prompt's rest), its work per second against a
+    prefill step and a decode step one after the other (`gain`), and its predicted time."""
 
     prompts: tuple[SeqView, ...]
     chunk: int | None
@@ -263,8 +262,8 @@ class BulletPolicy:
         split, fusion = self._decide(snap, batch, step)
         if fusion is not None:
             rows = tuple(ScheduledSeq(s.request_id, 1) for s in snap.decoding)
-            in_flight = {s.request_id for s in snap.prefill.requests} if snap.prefill else set()
-            admitted = tuple(s.request_id for s in fusion.prompts if s.request_id not in in_flight)
+            if admitted:
+                admitted = tuple(s.request_id for s in fusion.prompts)
             step = PrefillStep(admitted, 0, self.num_layers, rows, fusion.chunk)
         return BulletPlan(split, prefill=step)
 
@@ -494,12 +493,11 @@ class BulletPolicy:
         fusing is off or cannot be done: the decode rows must run every layer in the step, so
         the step must run all layers of a pass that no running step has begun. (The KV blocks
         of the rows' next tokens are there: `_form_batch` admits prompts only beside a free
-        block per decoding request.) The whole batch where its step fits the TPOT budget (a
-        batch between its last prompt's chunks with waiting prompts packed behind it); else
-        the longest run of it, in CHUNK_GRANULE tokens, whose step does, the last prompt in it
-        cut to a chunk; else, on a CPU, where the alternative (turns) pauses decode for the
-        whole prefill anyway, the whole batch, and on a GPU, where decode keeps stepping beside
-        a prefill, none. `choose_split` asks only under `auto`, with both phases waiting."""
+        block per decoding request.) The whole batch where its step fits the TPOT budget; else
+        the longest chunk of its first prompt, in CHUNK_GRANULE tokens, that does; else, on a
+        CPU, where the alternative (turns) pauses decode for the whole prefill anyway, the
+        whole batch, and on a GPU, where decode keeps stepping beside a prefill, none.
+        `choose_split` asks only under `auto`, with both phases waiting."""
         if (
             not self.fuse_decode
             or step is None
@@ -510,44 +508,35 @@ class BulletPolicy:
             return None
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         budget = self.slo.tpot_s * TPOT_HEADROOM
-        # A prompt's last chunk alone would leave most of the budget unused and pay for the
-        # decode rows once more (simulated on the A100 preset, arxiv-sum-like at 4 req/s: a
-        # 141-token tail beside 113 rows took 43 ms where a 1,472-token chunk took 136), so
-        # waiting prompts fill the step behind it, as in a chunked-prefill batch.
-        pool, total = batch, sum(s.num_remaining for s in batch)
-        limit = total
-        if snap.prefill is not None:
-            pool = self._form_batch(snap, in_flight=batch)
-            limit = max(total, snap.max_prefill_tokens)
-            total = sum(s.num_remaining for s in pool)
-        whole = self._fused_step(pool, None, decode_ctx)
-        if total <= limit and whole.seconds <= budget:
+        whole = self._fused_step(batch, None, decode_ctx)
+        if whole.seconds <= budget:
             return whole
-        # A fused step's time grows with its tokens: bisect for the most that fit.
-        limit = min(total, limit)
-        fits, low, high = None, 1, -(-limit // CHUNK_GRANULE)
+        first = batch[0]
+        # A fused step's time grows with its chunk: bisect for the longest that fits.
+        sizes = -(-first.num_remaining // CHUNK_GRANULE)
+        fits, low, high = None, 1, sizes
         while low <= high:
             middle = (low + high) // 2
-            prompts, chunk = _leading(pool, min(middle * CHUNK_GRANULE, limit))
-            candidate = self._fused_step(prompts, chunk, decode_ctx)
+            tokens = min(middle * CHUNK_GRANULE, first.num_remaining)
+            chunk = tokens if tokens < first.num_remaining else None
+            candidate = self._fused_step((first,), chunk, decode_ctx)
             if candidate.seconds <= budget:
                 fits, low = candidate, middle + 1
             else:
                 high = middle - 1
         if fits is not None:
             return fits
-        if self.perf.hw.kind != "cpu":
-            return None
-        return whole if len(pool) == len(batch) else self._fused_step(batch, None, decode_ctx)
+        return whole if self.perf.hw.kind == "cpu" else None
 
     def _fused_step(
         self, prompts: tuple[SeqView, ...], chunk: int | None, decode_ctx: tuple[int, ...]
     ) -> Fusion:
-        """A fused step of `prompts` (the next `chunk` tokens of the last, if set, and every
-        other one's rest) and a token of every decoding request on every unit."""
-        pieces = [(s.num_remaining, s.num_computed_tokens) for s in prompts]
-        if chunk is not None:
-            pieces[-1] = (chunk, prompts[-1].num_computed_tokens)
+        """A fused step of `prompts` (the next `chunk` tokens of the one prompt, if set) and a
+        token of every decoding request on every unit."""
+        if chunk is None:
+            pieces = [(s.num_remaining, s.num_computed_tokens) for s in prompts]
+        else:
+            pieces = [(chunk, prompts[0].num_computed_tokens)]
         lens = tuple(n for n, _ in pieces)
         cached = tuple(c for _, c in pieces)
         prefill_alone, decode_alone = self._alone_s(lens, cached, decode_ctx, self.num_layers)
@@ -614,28 +603,19 @@ class BulletPolicy:
         rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
         return at_risk + rest
 
-    def _form_batch(
-        self, snap: BulletSnapshot, in_flight: tuple[SeqView, ...] = ()
-    ) -> tuple[SeqView, ...]:
+    def _form_batch(self, snap: BulletSnapshot) -> tuple[SeqView, ...]:
         """Whole prompts in order while the batch is below the compute-saturation point and
-        fits the token, sequence and KV budgets. Behind `in_flight` (a batch whose KV is
-        already held, to be packed into a fused step that the TPOT budget sizes) past that
-        point too, and up to a prompt that crosses the token budget (to be cut to it). No
-        overtaking: the first that does not fit ends the batch, so an at-risk request is never
-        passed over."""
-        batch = list(in_flight)
-        tokens = sum(s.num_remaining for s in in_flight)
+        fits the token, sequence and KV budgets. No overtaking: the first that does not fit
+        ends the batch, so an at-risk request is never passed over."""
+        batch: list[SeqView] = []
+        tokens = 0
         free = snap.free_blocks
         # Keep a block per decoding request free so the decode lane can grow without preempting.
         reserve = min(len(snap.decoding), free)
-        seats = snap.max_num_seqs - len(snap.decoding) - len(in_flight)
+        seats = snap.max_num_seqs - len(snap.decoding)
         for seq in self.order_waiting(snap):
             need = -(-seq.num_tokens // snap.block_size) - seq.num_blocks
-            if in_flight:
-                # Its last prompt may be cut to the token budget: that needs room for a token.
-                if tokens >= snap.max_prefill_tokens:
-                    break
-            elif batch and (
+            if batch and (
                 tokens >= self.saturation_tokens
                 or tokens + seq.num_remaining > snap.max_prefill_tokens
             ):
@@ -663,13 +643,3 @@ class BulletPolicy:
 def _cached(cached: tuple[int, ...]) -> tuple[int, ...]:
     """Prompts' tokens already in the KV cache as ExecutionState takes them (() for none)."""
     return cached if any(cached) else ()
-
-
-def _leading(prompts: tuple[SeqView, ...], tokens: int) -> tuple[tuple[SeqView, ...], int | None]:
-    """The prompts whose rests make up the first `tokens` of the run, and the chunk of the last
-    of them (None where its whole rest fits)."""
-    for count, seq in enumerate(prompts, start=1):
-        if seq.num_remaining >= tokens:
-            return prompts[:count], (tokens if tokens < seq.num_remaining else None)
-        tokens -= seq.num_remaining
-    return prompts, None

@@ -187,8 +187,7 @@ class LanedSimulator:
             if plan.prefill.layer_start == 0:
                 self._begin_pass(plan.prefill.chunk)
             layers = (plan.prefill.layer_start, plan.prefill.layer_end)
-            requests = list(self.prefill_batch)
-            step = LaneStep(requests, units, self.noise.factor(), now, plan.split, layers)
+            step = LaneStep(self.prefill_batch, units, self.noise.factor(), now, plan.split, layers)
             step.lengths, step.cached = self.pass_tokens, self.pass_cached
             by_id = {r.request_id: r for r in self.state.running}
             step.fused = [by_id[s.request_id] for s in plan.prefill.decode]
@@ -221,24 +220,22 @@ class LanedSimulator:
         return self.policy.partition == "none" or other is None or units + other.units <= self.total
 
     def _admit(self, admitted: tuple[str, ...]) -> None:
-        # In the plan's order: a step's chunk is its last prompt's.
-        by_id = {r.request_id: r for r in self.state.waiting}
-        requests = [by_id[request_id] for request_id in admitted]
+        ids = set(admitted)
+        requests = [r for r in self.state.waiting if r.request_id in ids]
         for request in requests:
             self.state.waiting.remove(request)
             self.state.grow_blocks(request, request.num_tokens)
-        # A new batch, or prompts packed behind the one it has between chunks.
-        self.prefill_batch = (self.prefill_batch or []) + requests
+        self.prefill_batch = requests
         self.layers_done = 0
 
     def _begin_pass(self, chunk: int | None) -> None:
-        """A pass over the layers: every prompt's rest (the last one's: `chunk`, if set)."""
+        """A pass over the layers: every prompt's rest, or the next `chunk` tokens of the one."""
         batch = self.prefill_batch or []
         self.pass_cached = tuple(r.num_computed_tokens for r in batch)
-        rests = [r.num_tokens - r.num_computed_tokens for r in batch]
-        if chunk is not None:
-            rests[-1] = chunk
-        self.pass_tokens = tuple(rests)
+        if chunk is None:
+            self.pass_tokens = tuple(r.num_tokens - r.num_computed_tokens for r in batch)
+        else:
+            self.pass_tokens = (chunk,)
 
     # ---- step timing ------------------------------------------------------------------------
 
@@ -248,11 +245,11 @@ class LanedSimulator:
             step.lengths = tuple(r.num_tokens for r in step.requests)
             sampled = len(step.requests)
         elif step.layers[1] == self.num_layers:
-            completed = sum(
+            completes = all(
                 c + n == r.num_tokens
                 for r, c, n in zip(step.requests, step.cached, step.lengths, strict=True)
             )
-            sampled = completed + len(step.fused)
+            sampled = (len(step.requests) if completes else 0) + len(step.fused)
         else:
             sampled = 0
         step.fused_ctx = tuple(r.num_tokens for r in step.fused)
@@ -325,11 +322,10 @@ class LanedSimulator:
                     step.requests, step.cached, step.lengths, strict=True
                 ):
                     request.num_computed_tokens = cached + tokens
-                # A prompt cut to a chunk stays: its rest comes in later passes.
-                completed = [r for r in step.requests if r.num_computed_tokens == r.num_tokens]
-                staying = [r for r in step.requests if r.num_computed_tokens < r.num_tokens]
-                self._finish_prefill(completed, now)
-                self.prefill_batch, self.layers_done = staying or None, 0
+                if all(r.num_computed_tokens == r.num_tokens for r in step.requests):
+                    self._finish_prefill(now)
+                else:  # a chunk: the prompt's rest comes in later passes
+                    self.layers_done = 0
             self._append_tokens(step.fused, now)
         else:
             record["tokens"] = len(step.requests)
@@ -352,9 +348,9 @@ class LanedSimulator:
         tpot = (request.finished_at - times[0]) / (len(times) - 1) if len(times) > 1 else None
         self.window.finished(tpot)
 
-    def _finish_prefill(self, completed: list[SimRequest], now: float) -> None:
-        """Prompts whose pass completed them join decode with their first token."""
-        for request in completed:
+    def _finish_prefill(self, now: float) -> None:
+        batch, self.prefill_batch = self.prefill_batch or [], None
+        for request in batch:
             request.num_computed_tokens = request.num_tokens
             self.state.running.append(request)
             if not request.token_times:  # not a recomputation after preemption
