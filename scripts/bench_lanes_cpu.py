@@ -171,9 +171,10 @@ def run_config(label: str, flags: list[str], args, slo: dict) -> Path:
 
 def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
     """Every configuration's server up at once (idle ones take no CPU), then each rate runs
-    against every configuration back to back, the order rotating from rate to rate: a slow
-    spell of the machine then falls on all configurations of a rate alike, not on whichever
-    configuration a one-server-at-a-time sweep happened to be running."""
+    against every configuration back to back, the order rotating from rate to rate (and from
+    repeat to repeat): a slow spell of the machine then falls on all configurations of a rate
+    alike, not on whichever configuration a one-server-at-a-time sweep happened to be running.
+    With `--repeats N` the whole round of rates runs N times, the same requests each time."""
     from bulletserve.bench.records import BenchResult, load_result
 
     servers = {}
@@ -181,13 +182,17 @@ def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
         for label in labels:
             servers[label] = start_server(label, CONFIGS[label], args, slo)
         parts: dict[str, list[Path]] = {label: [] for label in labels}
-        for i, rate in enumerate(args.rates.split(",")):
-            for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
-                out = args.out / f"{label}.rate-{rate}.json"
-                if args.profile_each_run:
-                    profile_now(out.with_suffix(".profile.json"), args.profile_each_run)
-                parts[label].append(run_bench(label, servers[label][1], rate, out, args, slo))
-                print(f"{label} at {rate} req/s done", flush=True)
+        rates = args.rates.split(",")
+        for repeat in range(args.repeats):
+            for i, rate in enumerate(rates):
+                turn = (i + repeat) % len(labels)
+                for label in labels[turn:] + labels[:turn]:
+                    suffix = f".rep-{repeat}" if args.repeats > 1 else ""
+                    out = args.out / f"{label}.rate-{rate}{suffix}.json"
+                    if args.profile_each_run:
+                        profile_now(out.with_suffix(".profile.json"), args.profile_each_run)
+                    parts[label].append(run_bench(label, servers[label][1], rate, out, args, slo))
+                    print(f"{label} at {rate} req/s done{suffix}", flush=True)
     finally:
         for server, _ in servers.values():
             stop_server(server)
@@ -233,6 +238,13 @@ def main() -> None:
         help="every server up at once; each rate runs against every configuration in turn",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --interleave: run every rate against every configuration this many times "
+        "(the same requests; scripts/lanes_report.py then reports medians over the repeats)",
+    )
+    parser.add_argument(
         "--profile-each-run",
         nargs="?",
         const="quick",
@@ -244,6 +256,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile_each_run and not args.interleave:
         parser.error("--profile-each-run needs --interleave")
+    if args.repeats < 1 or (args.repeats > 1 and not args.interleave):
+        parser.error("--repeats takes a positive count, and more than 1 needs --interleave")
+    if args.repeats > 1 and args.profile_each_run:
+        parser.error("--profile-each-run takes one run per rate (sim_fidelity.py matches by rate)")
     args.out.mkdir(parents=True, exist_ok=True)
     iso_path = args.out / "isolated.json"
     if not iso_path.exists():
@@ -267,6 +283,9 @@ def main() -> None:
             started = time.time()
             files.append(run_config(label, CONFIGS[label], args, slo))
             print(f"{label}: {time.time() - started:.0f} s", flush=True)
+    if args.repeats > 1:  # `bullet bench compare` would show one run per rate
+        print(f"medians over the repeats: scripts/lanes_report.py {' '.join(map(str, files))}")
+        return
     cli = [sys.executable, "-m", "bulletserve.cli", "bench"]
     print(
         subprocess.run(cli + ["compare", *map(str, files)], capture_output=True, text=True).stdout
