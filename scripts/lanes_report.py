@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bulletserve.bench.metrics import SLO, attainment
-from bulletserve.bench.records import load_result
+from bulletserve.bench.records import RunResult, load_result
 
 
 def parse_slo(text: str) -> SLO:
@@ -36,7 +36,7 @@ def parse_slo(text: str) -> SLO:
     return SLO(per_token, tpot, base)
 
 
-def score_run(run, slo: SLO | None, loose_factor: float) -> dict[str, float]:
+def score_run(run: RunResult, slo: SLO | None, loose_factor: float) -> dict[str, float]:
     """One run's attainment at its SLOs (or `slo`) and at a TTFT SLO `loose_factor` times
     looser, goodput, output throughput, P90 TTFT and TPOT."""
     ran = run.summary["slo"]
