@@ -50,20 +50,31 @@ def summarize(path: Path) -> dict:
     }
 
 
-def decode_by_batch(records: list[dict], width: int = 4) -> dict[str, dict[str, float]]:
-    """Median step ms, runner ms and gap ms to the next step, for back-to-back decode steps on
-    every unit (a step's `time` is logged at its end), in batch-size bins of `width`. The
-    step is `measured_s` (for a lane: from the plan's end to the step's end, with the hand-off
-    to the thread that runs the model); the runner is `runner_s` where the log has it (the
-    model's own time), else the step."""
+def whole_device_decodes(records: list[dict]) -> list[tuple[dict, float]]:
+    """Decode steps that had every unit (no prefill beside them) and that another such step
+    follows, each with the gap (s) from its end to the next one's start (a step's `time` is
+    logged at its end)."""
     records = sorted(records, key=lambda r: r["time"])
+    return [
+        (step, after["time"] - after["measured_s"] - step["time"])
+        for step, after in pairwise(records)
+        if step["lane"] == after["lane"] == "decode" and step["split"][0] == after["split"][0] == 0
+    ]
+
+
+def runner_s(step: dict) -> float:
+    """The model's own time in a step: `runner_s` where the log has it (a lane's step), else
+    the step (the single-lane engine logs its runner call as the step)."""
+    return step.get("runner_s", step["measured_s"])
+
+
+def decode_by_batch(records: list[dict], width: int = 4) -> dict[str, dict[str, float]]:
+    """Median step ms, runner ms and gap ms to the next step of `whole_device_decodes`, in
+    batch-size bins of `width`. The step is `measured_s` (for a lane: from the plan's end to
+    the step's end, with the hand-off to the thread that runs the model)."""
     bins: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
-    for step, after in pairwise(records):
-        # Both decodes had every unit (no prefill beside them).
-        if step["lane"] == after["lane"] == "decode" and step["split"][0] == after["split"][0] == 0:
-            gap = after["time"] - after["measured_s"] - step["time"]
-            runner = step.get("runner_s", step["measured_s"])
-            bins[step["batch_size"] // width].append((step["measured_s"], runner, gap))
+    for step, gap in whole_device_decodes(records):
+        bins[step["batch_size"] // width].append((step["measured_s"], runner_s(step), gap))
     return {
         f"{b * width}-{b * width + width - 1}": {
             "steps": len(v),

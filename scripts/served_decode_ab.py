@@ -24,6 +24,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from analyze_step_log import runner_s, whole_device_decodes
 from bench_lanes_cpu import start_server, stop_server
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -64,16 +65,12 @@ def busy_threads(before: dict, after: dict) -> list[tuple[float, int, int]]:
 
 
 def decode_bins(steps: list[dict], full_batch: int | None) -> dict[int, list[float]]:
-    """Runner ms of decode steps that ran alone on every unit, followed by another such step
-    (so no prefill step's end falls inside them), by batch-size bin."""
+    """Runner ms of `whole_device_decodes` (a prefill step's end never falls inside them), by
+    batch-size bin; with `full_batch`, of that batch size only."""
     bins: dict[int, list[float]] = defaultdict(list)
-    for step, after in zip(steps, steps[1:], strict=False):
-        if not (step["lane"] == after["lane"] == "decode" and step["split"][0] == 0):
-            continue
-        if full_batch is not None and step["batch_size"] != full_batch:
-            continue
-        runner = step.get("runner_s", step["measured_s"])  # single-lane: measured is the runner
-        bins[step["batch_size"] // BIN_ROWS * BIN_ROWS].append(runner * 1e3)
+    for step, _ in whole_device_decodes(steps):
+        if full_batch is None or step["batch_size"] == full_batch:
+            bins[step["batch_size"] // BIN_ROWS * BIN_ROWS].append(runner_s(step) * 1e3)
     return bins
 
 
