@@ -429,6 +429,44 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     assert POLICIES["h100-no-fuse"].plan_prefill(short).split.rule == "decode-fewest"
 
 
+def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_for_late_prompts():
+    """Where the whole batch would hold the decode rows past the TPOT budget, the fused step
+    takes as many whole prompts from the batch's front as fit (not the first alone: the rows
+    cost the same however few prompt tokens ride with them). Where recent first tokens are
+    late and recent TPOT holds, the whole batch fuses past the budget (`fused-ttft-first`);
+    not while TPOT misses."""
+    policy = dataclasses.replace(POLICIES["h100"], slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.03))
+    budget = policy.slo.tpot_s * 0.8
+    rows = (1001,) * 64
+
+    def snap(stats: LatencyStats) -> BulletSnapshot:
+        decoding = tuple(SeqView(f"d{i}", 0.0, 1001, 1000, 63) for i in range(64))
+        waiting = tuple(
+            SeqView(f"w{i}", 99.99, n, 0, 0) for i, n in enumerate((200, 400, 400, 400, 400))
+        )
+        return BulletSnapshot(
+            100.0, waiting, None, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
+        )
+
+    in_time = snap(LatencyStats(0.5, 0.02))
+    batch = policy._form_batch(in_time)
+    assert len(batch) > 2 and policy._fused_step(batch, None, rows).seconds > budget
+    plan = policy.plan_prefill(in_time)
+    taken = len(plan.prefill.admitted)
+    assert plan.split.rule == "fused" and plan.prefill.chunk is None and taken >= 2
+    assert plan.prefill.admitted == tuple(s.request_id for s in batch[:taken])
+    assert policy._fused_step(batch[:taken], None, rows).seconds <= budget
+    assert policy._fused_step(batch[: taken + 1], None, rows).seconds > budget
+
+    late = policy.plan_prefill(snap(LatencyStats(1.5, 0.02)))
+    assert late.split.rule == "fused-ttft-first" and late.split == Split(132, 0)
+    assert late.prefill.admitted == tuple(s.request_id for s in batch)
+    assert len(late.prefill.decode) == 64
+    assert policy.plan_decode(snap(LatencyStats(1.5, 0.02))).split.rule == "fused-ttft-first"
+    tpot_missing = policy.plan_prefill(snap(LatencyStats(1.5, 0.04)))
+    assert tpot_missing.split.rule == "fused" and len(tpot_missing.prefill.admitted) == taken
+
+
 def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
     """While P90 TPOT misses, decode takes units from prefill one granule a step; it may take
     them all only until a waiting prompt is at risk (the window's TTFT, fed at first tokens,
