@@ -15,7 +15,6 @@ from bulletserve.perf.model import PerfModel
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.bullet import (
     CHUNK_GRANULE,
-    LONG_FUSED_STEP_LIMIT,
     SPLIT_RULES,
     BulletPolicy,
     BulletSnapshot,
@@ -391,7 +390,7 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     def snap(prompt: int, rows: int = 64, context: int = 1001, prefill=None) -> BulletSnapshot:
         decoding = tuple(SeqView(f"d{i}", 0.0, context, context - 1, 63) for i in range(rows))
         waiting = () if prefill else (SeqView("w", 99.99, prompt, 0, 0),)
-        stats = LatencyStats(0.5, 0.13)  # TPOT within its SLO, with no room past the budget
+        stats = LatencyStats(0.5, 0.05)
         return BulletSnapshot(
             100.0, waiting, prefill, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
         )
@@ -430,12 +429,12 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     assert POLICIES["h100-no-fuse"].plan_prefill(short).split.rule == "decode-fewest"
 
 
-def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_where_tpot_has_room():
+def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_for_late_prompts():
     """Where the whole batch would hold the decode rows past the TPOT budget, the fused step
     takes as many whole prompts from the batch's front as fit (not the first alone: the rows
-    cost the same however few prompt tokens ride with them). Where recent TPOT has room (P90
-    within the budget, or within the SLO while recent first tokens are late), the whole batch
-    fuses past the budget, up to 1.5x the SLO (`fused-prefill-first`); not while TPOT misses."""
+    cost the same however few prompt tokens ride with them). Where recent first tokens are
+    late and recent TPOT holds, the whole batch fuses past the budget (`fused-ttft-first`);
+    not while TPOT misses."""
     policy = dataclasses.replace(POLICIES["h100"], slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.03))
     budget = policy.slo.tpot_s * 0.8
     rows = (1001,) * 64
@@ -449,23 +448,21 @@ def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_where_tpot_has_
             100.0, waiting, None, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
         )
 
-    near_slo = snap(LatencyStats(0.5, 0.027))  # TPOT within the SLO, past the budget
-    batch = policy._form_batch(near_slo)
-    whole_s = policy._fused_step(batch, None, rows).seconds
-    assert len(batch) > 2 and budget < whole_s <= policy.slo.tpot_s * LONG_FUSED_STEP_LIMIT
-    plan = policy.plan_prefill(near_slo)
+    in_time = snap(LatencyStats(0.5, 0.02))
+    batch = policy._form_batch(in_time)
+    assert len(batch) > 2 and policy._fused_step(batch, None, rows).seconds > budget
+    plan = policy.plan_prefill(in_time)
     taken = len(plan.prefill.admitted)
     assert plan.split.rule == "fused" and plan.prefill.chunk is None and taken >= 2
     assert plan.prefill.admitted == tuple(s.request_id for s in batch[:taken])
     assert policy._fused_step(batch[:taken], None, rows).seconds <= budget
     assert policy._fused_step(batch[: taken + 1], None, rows).seconds > budget
 
-    for stats in (LatencyStats(1.5, 0.027), LatencyStats(0.5, 0.02)):  # TTFT late; TPOT slack
-        longer = policy.plan_prefill(snap(stats))
-        assert longer.split.rule == "fused-prefill-first" and longer.split == Split(132, 0)
-        assert longer.prefill.admitted == tuple(s.request_id for s in batch)
-        assert len(longer.prefill.decode) == 64
-        assert policy.plan_decode(snap(stats)).split.rule == "fused-prefill-first"
+    late = policy.plan_prefill(snap(LatencyStats(1.5, 0.02)))
+    assert late.split.rule == "fused-ttft-first" and late.split == Split(132, 0)
+    assert late.prefill.admitted == tuple(s.request_id for s in batch)
+    assert len(late.prefill.decode) == 64
+    assert policy.plan_decode(snap(LatencyStats(1.5, 0.02))).split.rule == "fused-ttft-first"
     tpot_missing = policy.plan_prefill(snap(LatencyStats(1.5, 0.04)))
     assert tpot_missing.split.rule == "fused" and len(tpot_missing.prefill.admitted) == taken
 

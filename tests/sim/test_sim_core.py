@@ -10,7 +10,7 @@ import pytest
 from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.metrics import SLO
 from bulletserve.perf.state import ExecutionState
-from bulletserve.sched.bullet import LONG_FUSED_STEP_LIMIT, SPLIT_RULES, BulletPolicy
+from bulletserve.sched.bullet import LATE_FUSED_STEP_LIMIT, SPLIT_RULES, BulletPolicy
 from bulletserve.sim.device import Noise
 from bulletserve.sim.hardware import (
     DEVICE_MEMORY,
@@ -225,15 +225,15 @@ def test_bullet_fuses_decode_rows_into_prefill_steps(tmp_path, device):
     path = tmp_path / "steps.jsonl"
     result = simulate(config, step_log=path)
     steps = [json.loads(line) for line in path.read_text().splitlines()]
-    fused = [r for r in steps if r["rule"] in (rule, "fused-prefill-first")]
+    fused = [r for r in steps if r["rule"] in (rule, "fused-ttft-first")]
     assert fused and all(r["lane"] == "prefill" and r["fused_decode"] > 0 for r in fused)
     for r in fused:
         es = ExecutionState.from_json(r["state"])
         assert not es.has_decode and es.prefill_tokens == r["tokens"]
         assert es.prefill_lens[-r["fused_decode"] :] == (1,) * r["fused_decode"]
         assert r["measured_s"] == pytest.approx(perf.predict(es).prefill_s, rel=1e-9)
-        if r["rule"] == "fused-prefill-first":
-            assert r["measured_s"] <= config.slo.tpot_ms / 1000 * LONG_FUSED_STEP_LIMIT
+        if r["rule"] == "fused-ttft-first":
+            assert r["measured_s"] <= config.slo.tpot_ms / 1000 * LATE_FUSED_STEP_LIMIT
         elif device != "cpu":
             assert r["measured_s"] <= config.slo.tpot_ms / 1000 * 0.8
         start = r["time"] - r["measured_s"]

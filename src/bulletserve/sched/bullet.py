@@ -26,12 +26,12 @@ STATS_WINDOW = 64  # recent requests behind the P90 TTFT and TPOT the scheduler 
 # A prompt too long for a fused step within the TPOT budget rides in chunks of a multiple of
 # this many tokens (its last chunk: what is left).
 CHUNK_GRANULE = 64
-# While recent TPOT leaves room (`_fused_step_may_outlast_budget`), a fused step may take up to
-# this multiple of the TPOT SLO (else TPOT_HEADROOM of it). Simulated on the A100 preset, 1000
-# requests, seeds 0-2, with the room granted only while TTFT also missed: 1.0 lost
-# arxiv-sum-like at 4 req/s (median 79.4% against 92.7% with no limit), no limit lost
-# azure-code-like at 6.25 (88.5% against 91.1% never outlasting the budget); 1.5 kept both.
-LONG_FUSED_STEP_LIMIT = 1.5
+# While TTFT misses its SLO and P90 TPOT holds, a fused step may take up to this multiple of the
+# TPOT SLO (else TPOT_HEADROOM of it). Simulated on the A100 preset, 1000 requests, seeds 0-2, at
+# the capacity edges: 1.0 lost arxiv-sum-like at 4 req/s (median 79.4% against 92.7% with no
+# limit), no limit lost azure-code-like at 6.25 (88.5% against 91.1% never outlasting the
+# budget); 1.5 kept both (94.1%, 90.6%).
+LATE_FUSED_STEP_LIMIT = 1.5
 # The rules of `BulletPolicy.choose_split`, as a split (and the step log) names them.
 SPLIT_RULES = {
     "none": "--partition none: both lanes on every unit",
@@ -40,7 +40,7 @@ SPLIT_RULES = {
     "no-decode": "nothing to decode: prefill gets every unit",
     "cpu-fused": "CPU, fusing pays most: the decode rows ride in the prefill's step",
     "fused": "GPU, fusing pays most and fits the TPOT budget: the rows ride in the prefill's step",
-    "fused-prefill-first": "TPOT has room: the fused step takes up to 1.5x the TPOT SLO",
+    "fused-ttft-first": "TTFT misses and TPOT holds: the whole batch fuses, past the TPOT budget",
     "cpu-turns": "CPU, co-running does not pay: the lanes take turns, prefill first",
     "at-risk-first": "an at-risk prefill takes the device; decode waits within one TPOT",
     "balance": "TTFT and TPOT both missing: half the units each",
@@ -204,13 +204,13 @@ class Fusion:
     """A fused step the policy could run: its prompts (the batch, its first few, or its first
     alone), the chunk of that prompt (None: every prompt's rest), its work per second against a
     prefill step and a decode step one after the other (`gain`), its predicted time, and
-    whether it outlasts the TPOT budget, recent TPOT leaving room for that (`prefill_first`)."""
+    whether it may outlast the TPOT budget because TTFT misses while TPOT holds (`ttft_first`)."""
 
     prompts: tuple[SeqView, ...]
     chunk: int | None
     gain: float
     seconds: float
-    prefill_first: bool = False
+    ttft_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -519,12 +519,12 @@ class BulletPolicy:
             return None
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         budget = self.slo.tpot_s * TPOT_HEADROOM
-        longer = self._fused_step_may_outlast_budget(snap, batch)
-        limit = self.slo.tpot_s * LONG_FUSED_STEP_LIMIT if longer else budget
+        late = self._prefill_late_tpot_holds(snap, batch)
+        limit = self.slo.tpot_s * LATE_FUSED_STEP_LIMIT if late else budget
         whole = self._fused_step(batch, None, decode_ctx)
         fits = self._longest_fitting_step(batch, whole, decode_ctx, limit)
         if fits is not None:
-            return dataclasses.replace(fits, prefill_first=fits.seconds > budget)
+            return dataclasses.replace(fits, ttft_first=fits.seconds > budget)
         return whole if self.perf.hw.kind == "cpu" else None
 
     def _longest_fitting_step(
@@ -564,19 +564,14 @@ class BulletPolicy:
                 high = middle - 1
         return fits
 
-    def _fused_step_may_outlast_budget(
-        self, snap: BulletSnapshot, batch: tuple[SeqView, ...]
-    ) -> bool:
-        """Whether recent TPOT leaves room for a fused step past the TPOT budget: P90 TPOT within
-        the budget, or within the SLO while TTFT misses its own (a prompt of the batch at risk,
-        or recent first tokens late). Prefill then comes first, as in the split's rules: a
-        request's TPOT is the mean of the steps it rides in, and the decode-only steps between
-        fused ones are shorter than the budget."""
+    def _prefill_late_tpot_holds(self, snap: BulletSnapshot, batch: tuple[SeqView, ...]) -> bool:
+        """Whether TTFT misses its SLO (a prompt of the batch at risk, or recent first tokens
+        late) while recent TPOT holds: then prefill comes first, as in the split's rules, and a
+        fused step may outlast the TPOT budget. A request's TPOT is the mean of the steps it
+        rides in, and decode-only steps between fused ones are shorter than the SLO."""
         stats = snap.stats
         if stats.p90_tpot_s is None or stats.p90_tpot_s > self.slo.tpot_s:
             return False
-        if stats.p90_tpot_s <= self.slo.tpot_s * TPOT_HEADROOM:
-            return True
         late = stats.p90_ttft_over_slo is not None and stats.p90_ttft_over_slo > 1.0
         return late or any(self.at_risk(s, snap.now) for s in batch)
 
@@ -693,7 +688,7 @@ class BulletPolicy:
 
 
 def _fused_rule(fusion: Fusion, within_budget: str) -> str:
-    return "fused-prefill-first" if fusion.prefill_first else within_budget
+    return "fused-ttft-first" if fusion.ttft_first else within_budget
 
 
 def _cached(cached: tuple[int, ...]) -> tuple[int, ...]:
