@@ -347,7 +347,8 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
     fused, _ = fused_step_state([(64, 0)], [321] * 8, 2)
     fused_s = policy.perf.predict(fused).prefill_s
     assert prefill_alone < fused_s < prefill_alone + decode_alone
-    fusion = policy._fusion(snap(), waiting, policy.plan_prefill(snap()).prefill)
+    at_risk = any(policy.at_risk(s, 100.0) for s in waiting)
+    fusion = policy._fusion(snap(), waiting, policy.plan_prefill(snap()).prefill, at_risk)
     assert fusion.gain == pytest.approx((prefill_alone + decode_alone) / fused_s)
     assert fusion.seconds == fused_s and fusion.chunk is None and fusion.gain > 1.0
     plan = policy.plan_prefill(snap())
@@ -397,7 +398,8 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
 
     short = snap(64)
     plan = policy.plan_prefill(short)
-    fusion = policy._fusion(short, short.waiting, plan.prefill)
+    at_risk = any(policy.at_risk(s, short.now) for s in short.waiting)
+    fusion = policy._fusion(short, short.waiting, plan.prefill, at_risk)
     assert plan.split == Split(132, 0) and plan.split.rule == "fused"
     assert [s.request_id for s in plan.prefill.decode] == [f"d{i}" for i in range(64)]
     assert plan.prefill.chunk is None and plan.prefill.admitted == ("w",)

@@ -340,6 +340,10 @@ class BulletPolicy:
             return self.static_split, None
         stats, slo = snap.stats, self.slo
         tpot_ok = stats.p90_tpot_s is None or stats.p90_tpot_s <= slo.tpot_s
+        # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
+        # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
+        # until prefill had none, and no first token (the only TTFT evidence) would come.
+        risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         lens = tuple(s.num_remaining for s in prefill_batch)
         cached = tuple(s.num_computed_tokens for s in prefill_batch)
@@ -369,7 +373,7 @@ class BulletPolicy:
             shares = self._co_running_shares(
                 snap.now, prefill_batch, lens, cached, decode_ctx, layers, remaining
             )
-            fusion = self._fusion(snap, prefill_batch, step)
+            fusion = self._fusion(snap, prefill_batch, step, risky)
             if fusion is not None and fusion.gain > max(1.0, shares):
                 return Split(total, 0, _fused_rule(fusion, "cpu-fused")), fusion
             if shares <= 1.0:
@@ -386,7 +390,7 @@ class BulletPolicy:
             # too long for that rides in chunks, as in chunked prefill. (Simulated on the
             # H200's measured profile, arxiv-sum-like, whole prompts that could not fuse ran
             # beside decode at about 1 s a step while the queue built.)
-            fusion = self._fusion(snap, prefill_batch, step)
+            fusion = self._fusion(snap, prefill_batch, step, risky)
             if fusion is not None and fusion.gain > 1.0:
                 remaining = self.num_layers - (step.layer_start if step else 0)
                 shares = self._co_running_shares(
@@ -394,10 +398,6 @@ class BulletPolicy:
                 )
                 if fusion.gain > shares:
                     return Split(total, 0, _fused_rule(fusion, "fused")), fusion
-        # TTFT misses its SLO when recent first tokens did, or when a prompt that waits now is
-        # at risk: otherwise, while TPOT is over its SLO, decode would take unit after unit
-        # until prefill had none, and no first token (the only TTFT evidence) would come.
-        risky = any(self.at_risk(s, snap.now) for s in prefill_batch)
         ttft_ok = not risky and (stats.p90_ttft_over_slo is None or stats.p90_ttft_over_slo <= 1.0)
         if tpot_ok and risky and self._decode_can_pause(lens, cached, decode_ctx, layers):
             return Split(total, 0, "at-risk-first"), None
@@ -497,7 +497,11 @@ class BulletPolicy:
         return prefill_alone / side_by_side.prefill_s + decode_alone / side_by_side.decode_s
 
     def _fusion(
-        self, snap: BulletSnapshot, batch: tuple[SeqView, ...], step: PrefillStep | None
+        self,
+        snap: BulletSnapshot,
+        batch: tuple[SeqView, ...],
+        step: PrefillStep | None,
+        risky: bool,
     ) -> Fusion | None:
         """The fused step to weigh against the lanes' other ways of running, or None where
         fusing is off or cannot be done: the decode rows must run every layer in the step, so
@@ -508,7 +512,8 @@ class BulletPolicy:
         even a chunk fits, on a CPU, where the alternative (turns) pauses decode for the whole
         prefill anyway, the whole batch, and on a GPU, where decode keeps stepping beside a
         prefill, none.
-        `choose_split` asks only under `auto`, with both phases waiting."""
+        `risky`: whether a prompt of the batch is at risk. `choose_split` asks only under `auto`,
+        with both phases waiting."""
         if (
             not self.fuse_decode
             or step is None
@@ -519,7 +524,7 @@ class BulletPolicy:
             return None
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         budget = self.slo.tpot_s * TPOT_HEADROOM
-        late = self._prefill_late_tpot_holds(snap, batch)
+        late = self._prefill_late_tpot_holds(snap.stats, risky)
         limit = self.slo.tpot_s * LATE_FUSED_STEP_LIMIT if late else budget
         whole = self._fused_step(batch, None, decode_ctx)
         fits = self._longest_fitting_step(batch, whole, decode_ctx, limit)
@@ -564,16 +569,14 @@ class BulletPolicy:
                 high = middle - 1
         return fits
 
-    def _prefill_late_tpot_holds(self, snap: BulletSnapshot, batch: tuple[SeqView, ...]) -> bool:
+    def _prefill_late_tpot_holds(self, stats: LatencyStats, risky: bool) -> bool:
         """Whether TTFT misses its SLO (a prompt of the batch at risk, or recent first tokens
         late) while recent TPOT holds: then prefill comes first, as in the split's rules, and a
         fused step may outlast the TPOT budget. A request's TPOT is the mean of the steps it
         rides in, and decode-only steps between fused ones are shorter than the SLO."""
-        stats = snap.stats
         if stats.p90_tpot_s is None or stats.p90_tpot_s > self.slo.tpot_s:
             return False
-        late = stats.p90_ttft_over_slo is not None and stats.p90_ttft_over_slo > 1.0
-        return late or any(self.at_risk(s, snap.now) for s in batch)
+        return risky or (stats.p90_ttft_over_slo is not None and stats.p90_ttft_over_slo > 1.0)
 
     def _fused_step(
         self, prompts: tuple[SeqView, ...], chunk: int | None, decode_ctx: tuple[int, ...]
