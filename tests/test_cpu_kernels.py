@@ -16,6 +16,7 @@ from bulletserve.model.cpu_kernels import (
     decode_attention_kernel,
     fused_ops,
     packed_linear_kernel,
+    prefill_attention_kernel,
 )
 from bulletserve.model.decoder import Linear, apply_rope
 
@@ -74,11 +75,82 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, to
     assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+def prefill_reference(q, k_cache, v_cache, table, cached, block_size, scale):
+    """Causal attention of q's rows (positions cached, cached + 1, ...) over the cache."""
+    length = cached + q.shape[0]
+    group = q.shape[1] // k_cache.shape[1]
+    slots = torch.arange(length)
+    slots = table[slots // block_size].long() * block_size + slots % block_size
+    keys = k_cache[slots].double().repeat_interleave(group, dim=1)  # [T, H, D]
+    values = v_cache[slots].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,thd->hqt", q.double(), keys) * scale
+    visible = torch.arange(length)[None, :] <= (cached + torch.arange(q.shape[0]))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqt,thd->qhd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim", "tolerance"),
+    [
+        (torch.float32, 9, 3, 64, 1e-5),
+        (torch.float32, 4, 4, 16, 1e-5),
+        (torch.float32, 8, 1, 128, 1e-5),
+        (torch.bfloat16, 9, 3, 64, 2e-2),
+    ],
+)
+# (cached tokens, new tokens) per sequence: whole prompts, later chunks after earlier ones,
+# single tokens, lengths around the kernel's 64-key tiles and 512-key spans.
+@pytest.mark.parametrize(
+    "spans", [[(0, 7), (0, 64), (30, 35), (0, 1), (5, 1)], [(500, 90)], [(0, 130)]]
+)
+def test_prefill_attention_matches_reference(dtype, heads, kv_heads, head_dim, tolerance, spans):
+    kernel = prefill_attention_kernel(dtype, head_dim, heads // kv_heads, torch.device("cpu"))
+    if kernel is None:
+        pytest.skip("no C compiler on this machine")
+    generator = torch.Generator().manual_seed(0)
+    block_size = 16
+    counts = [-(-(cached + new) // block_size) for cached, new in spans]
+    num_blocks = sum(counts) + 3
+    order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = torch.zeros(len(spans), max(counts), dtype=torch.int32)
+    used = 0
+    for row, count in enumerate(counts):
+        tables[row, :count] = torch.tensor(order[used : used + count])
+        used += count
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    k_cache[0:block_size] = float("nan")  # stale memory past every context stays unread
+    v_cache[0:block_size] = float("nan")
+    tokens = sum(new for _, new in spans)
+    # a column slice of a wider projection, as the model hands it over
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    q = fused[:, : heads * head_dim].view(tokens, heads, head_dim)
+    starts = [sum(new for _, new in spans[:i]) for i in range(len(spans))]
+    meta = torch.tensor(
+        [starts, [new for _, new in spans], [cached for cached, _ in spans]], dtype=torch.int32
+    )
+    scale = head_dim**-0.5
+    out = torch.full((tokens + 2, heads, head_dim), 7.0, dtype=dtype)
+
+    kernel(q, k_cache, v_cache, tables, meta, block_size, scale, out)
+    assert (out[tokens:] == 7.0).all()  # rows past the spans are left alone
+    for row, ((cached, new), start) in enumerate(zip(spans, starts, strict=True)):
+        rows = slice(start, start + new)
+        expected = prefill_reference(
+            q[rows], k_cache, v_cache, tables[row], cached, block_size, scale
+        )
+        assert torch.isfinite(out[rows]).all()
+        assert torch.allclose(out[rows].double(), expected, atol=tolerance, rtol=tolerance)
+
+
 def test_unusable_shapes_fall_back():
     cpu = torch.device("cpu")
     assert decode_attention_kernel(torch.float16, 64, 3, cpu) is None
     assert decode_attention_kernel(torch.float32, 24, 3, cpu) is None
     assert decode_attention_kernel(torch.float32, 64, 3, torch.device("meta")) is None
+    assert prefill_attention_kernel(torch.float16, 64, 3, cpu) is None
+    assert prefill_attention_kernel(torch.float32, 24, 3, cpu) is None
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

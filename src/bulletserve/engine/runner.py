@@ -8,7 +8,7 @@ import torch
 
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import AttentionMetadata, PrefillSpan
-from bulletserve.model.cpu_kernels import decode_attention_kernel
+from bulletserve.model.cpu_kernels import decode_attention_kernel, prefill_attention_kernel
 from bulletserve.model.decoder import DecoderLM
 
 # On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs; fp32 goes to MKL, which does not)
@@ -79,8 +79,10 @@ class ModelRunner:
         self.block_size = pool.block_size
         self._block_offsets = torch.arange(self.block_size)
         config = model.config
-        self.decode_kernel = decode_attention_kernel(
-            pool.kv.dtype, config.head_dim, config.num_heads // config.num_kv_heads, device
+        group = config.num_heads // config.num_kv_heads
+        self.decode_kernel = decode_attention_kernel(pool.kv.dtype, config.head_dim, group, device)
+        self.prefill_kernel = prefill_attention_kernel(
+            pool.kv.dtype, config.head_dim, group, device
         )
         # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine under
         # --cuda-graphs; typed loosely here because that module builds on this one.
@@ -118,7 +120,7 @@ class ModelRunner:
             slot_mapping.append(self._slots(work.block_table, work.start, end))
             if query_len > 1:
                 context_slots = mask = None
-                if work.start > 0:
+                if work.start > 0 and self.prefill_kernel is None:
                     context_slots = self._slots(work.block_table, 0, end).to(self.device)
                     keys = torch.arange(end)
                     queries = torch.arange(work.start, end)
@@ -140,6 +142,8 @@ class ModelRunner:
         decode_fields: dict = {}
         if decodes:
             decode_fields = self._decode_fields([works[i] for i in decodes])
+        if prefills and self.prefill_kernel is not None:
+            decode_fields.update(self._prefill_fields([works[i] for i in prefills], spans))
         to = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping).to(to),
@@ -156,14 +160,36 @@ class ModelRunner:
             sampling_order=sampling_order,
         )
 
+    def _prefill_fields(self, works: list[SeqWork], spans: list[PrefillSpan]) -> dict:
+        """Attention metadata of the prefilling sequences for our CPU kernel."""
+        return {
+            "prefill_kernel": self.prefill_kernel,
+            "prefill_block_tables": self._block_tables(
+                [w.block_table for w in works], [w.start + len(w.token_ids) for w in works]
+            ),
+            "prefill_spans": torch.tensor(
+                [
+                    [span.query_start for span in spans],
+                    [span.query_len for span in spans],
+                    [span.cached_len for span in spans],
+                ],
+                dtype=torch.int32,
+            ),
+            "block_size": self.block_size,
+        }
+
+    def _block_tables(self, tables: list[list[int]], contexts: list[int]) -> torch.Tensor:
+        """int32 [sequences, blocks of the longest context], 0 past each table's end."""
+        width = -(-max(contexts) // self.block_size)
+        return torch.tensor(
+            [table[:width] + [0] * (width - len(table[:width])) for table in tables],
+            dtype=torch.int32,
+        )
+
     def _decode_fields(self, works: list[SeqWork]) -> dict:
         """Attention metadata of the decoding sequences, for the kernel or the SDPA path."""
         contexts = [w.start + 1 for w in works]
-        max_blocks = -(-max(contexts) // self.block_size)
-        tables = torch.zeros(len(works), max_blocks, dtype=torch.int32)
-        for row, work in enumerate(works):
-            table = work.block_table[:max_blocks]
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        tables = self._block_tables([w.block_table for w in works], contexts)
         if self.decode_kernel is not None:
             return {
                 "decode_kernel": self.decode_kernel,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bulletserve.model.cpu_kernels import DecodeAttentionKernel
+from bulletserve.model.cpu_kernels import DecodeAttentionKernel, PrefillAttentionKernel
 
 
 @dataclass
@@ -43,6 +43,11 @@ class AttentionMetadata:
     # null slot, and the matching validity mask.
     decode_slots: torch.Tensor | None = None  # [batch, max_context]
     decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_context]
+    # Prefills through our CPU kernel, which reads the blocks in place: every span's block
+    # table, and int32 [3, spans] of first query row, query length and cached length.
+    prefill_kernel: PrefillAttentionKernel | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_spans: torch.Tensor | None = None
     # Decodes through our CPU kernel, which reads the blocks in place.
     decode_kernel: DecodeAttentionKernel | None = None
     decode_block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks]
@@ -71,7 +76,18 @@ def paged_attention(
         out[tokens:] = 0
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    for span in meta.prefills:
+    if meta.prefill_kernel is not None and meta.prefills:
+        meta.prefill_kernel(
+            q[: meta.num_prefill_tokens],
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_spans,
+            meta.block_size,
+            scale,
+            out,
+        )
+    for span in meta.prefills if meta.prefill_kernel is None else ():
         rows = slice(span.query_start, span.query_start + span.query_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if span.context_slots is None:

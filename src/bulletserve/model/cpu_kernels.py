@@ -175,6 +175,78 @@ def decode_attention_kernel(
     return DecodeAttentionKernel(_function(library, name, argtypes, ctypes.c_int))
 
 
+@dataclass(frozen=True)
+class PrefillAttentionKernel:
+    """Causal attention of prefill rows over their sequences' cached and new keys, for one
+    (dtype, head_dim, group) shape."""
+
+    function: ctypes._CFuncPtr
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        spans: torch.Tensor,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Writes into `out` ([T', H, D], contiguous, T' >= T) the attention of q ([T, H, D]
+        with unit head and element strides: a column slice of the fused projection is fine).
+        caches: [slots, KVH, D], the new keys and values already written; block_tables: int32
+        [S, max_blocks]; spans: int32 [3, S], each sequence's first query row, query length and
+        cached length."""
+        tokens, num_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            raise ValueError("q must have unit element stride and head stride head_dim")
+        for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+            if tensor.dtype != q.dtype or not tensor.is_contiguous():
+                raise ValueError(f"{name} must be contiguous {q.dtype}, got {tensor.dtype}")
+        if out.shape[0] < tokens or out.shape[1:] != q.shape[1:]:
+            raise ValueError(f"out {tuple(out.shape)} cannot hold q {tuple(q.shape)}")
+        if spans.dtype != torch.int32 or not spans.is_contiguous() or spans.shape[0] != 3:
+            raise ValueError("spans must be contiguous int32 [3, num_seqs]")
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            raise ValueError("block_tables must be contiguous int32")
+        failed = self.function(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            spans[0].data_ptr(),
+            spans[1].data_ptr(),
+            spans[2].data_ptr(),
+            out.data_ptr(),
+            q.stride(0),
+            spans.shape[1],
+            num_heads,
+            k_cache.shape[1],
+            head_dim,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"prefill attention kernel failed (code {failed})")
+
+
+def prefill_attention_kernel(
+    dtype: torch.dtype, head_dim: int, group: int, device: torch.device
+) -> PrefillAttentionKernel | None:
+    """The compiled kernel for this shape, or None where it cannot be used."""
+    if not kernels_enabled(dtype, device) or head_dim % LANES:
+        return None
+    library = _library("prefill_attention", (f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"))
+    if library is None:
+        return None
+    argtypes = [_ptr] * 8 + [_long] + [_int] * 6 + [_float, _int]
+    name = f"prefill_attention_{_SUFFIX[dtype]}"
+    return PrefillAttentionKernel(_function(library, name, argtypes, ctypes.c_int))
+
+
 PACKED_BLOCK_COLS = 16  # csrc/packed_linear.c's BLOCK_COLS
 
 
