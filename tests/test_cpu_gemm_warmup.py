@@ -8,6 +8,7 @@ import torch
 from bulletserve import LLM, SamplingParams
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.runner import builds_gemm_kernels, padded_rows, warm_cpu_gemms
+from bulletserve.model.decoder import Linear
 from bulletserve.perf.hardware import HardwareProfile
 
 
@@ -17,19 +18,23 @@ def test_rows_above_32_are_padded_to_a_multiple_of_16():
     ]  # fmt: skip
 
 
-def test_only_reduced_precision_cpu_gemms_build_kernels():
-    cpu = torch.device("cpu")
-    assert builds_gemm_kernels(cpu, torch.bfloat16) and builds_gemm_kernels(cpu, torch.float16)
-    assert not builds_gemm_kernels(cpu, torch.float32)
-    assert not builds_gemm_kernels(torch.device("cuda"), torch.bfloat16)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_onednn_gemms_build_kernels_pytorchs_fp32_gemm_does_not(tiny_llama_dir, dtype):
+    llm = LLM(model=str(tiny_llama_dir), dtype=dtype, max_model_len=64, cpu_warmup_rows=0)
+    model, cpu = llm.engine.model, torch.device("cpu")
+    # bf16 GEMMs are oneDNN's, packed or not; fp32 ones only when packed (else MKL's).
+    expected = dtype == "bfloat16" or model.packed_linear is not None
+    assert builds_gemm_kernels(model, cpu) == expected == llm.engine.runner.pad_rows
+    assert not builds_gemm_kernels(model, torch.device("cuda"))
+    llm.engine.close()
 
 
 def test_warmup_covers_every_padded_row_count_and_restores_the_thread_count(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", max_model_len=64, cpu_warmup_rows=0)
     model = llm.engine.model
     # qkv, o, gate_up and down: four weight shapes, however many layers share them.
-    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    assert len({m.weight.shape for m in linears}) == 4 and len(linears) > 4
+    linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    assert len({(m.in_features, m.out_features) for m in linears}) == 4 and len(linears) > 4
     before = torch.get_num_threads()
     # Rows 1-32 one by one, then 48: 33 row counts per layer weight; the LM head's 1-20.
     assert warm_cpu_gemms(model, 40, 20, [1, 2]) == 2 * (33 * 4 + 20)

@@ -200,38 +200,39 @@ def test_fused_ops_match_pytorch(dtype, tolerance):
     assert close(ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("width", "out", "bias"), [(576, 960, False), (45, 19, True)])
-def test_packed_linear_matches_pytorch_and_is_batch_invariant(width, out, bias):
-    # 19 outputs: a block of 16 and a tail of 3; 400 rows: three row chunks of the kernel (192)
-    # and, below, every tile shape (6 rows and tails of 1-5).
-    kernel = packed_linear_kernel(torch.float32, torch.device("cpu"))
+def test_packed_linear_matches_pytorch_at_any_rows(dtype, width, out, bias):
+    kernel = packed_linear_kernel(dtype, torch.device("cpu"))
     if kernel is None:
-        pytest.skip("no C compiler on this machine")
+        pytest.skip("PyTorch has no oneDNN here")
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out, width, generator=generator)
-    b = torch.randn(out, generator=generator) if bias else None
+    weight = torch.randn(out, width, generator=generator).to(dtype)
+    b = torch.randn(out, generator=generator).to(dtype) if bias else None
     packed = kernel.pack(weight)
-    assert packed.shape == (-(-out // 16), width, 16)
-    x = torch.randn(400, width, generator=generator)
+    x = torch.randn(400, width, generator=generator).to(dtype)
     full = kernel(x, packed, out, b)
+    assert full.dtype == dtype
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    assert torch.allclose(full.double(), expected, atol=1e-4, rtol=1e-4)
-    for rows in [*range(1, 14), 191, 193, 399]:
-        assert torch.equal(kernel(x[:rows], packed, out, b), full[:rows]), rows
-    assert torch.equal(kernel(x.view(8, 50, width), packed, out, b), full.view(8, 50, out))
-    with pytest.raises(ValueError, match="fp32"):
-        kernel(x.to(torch.bfloat16), packed, out)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(full.double(), expected, atol=tolerance * width**0.5, rtol=tolerance)
+    for rows in [1, 5, 13, 17, 191, 399]:
+        part = kernel(x[:rows], packed, out, b)
+        assert torch.allclose(part.double(), expected[:rows], atol=tolerance * width**0.5), rows
+    assert kernel(x.view(8, 50, width), packed, out, b).shape == (8, 50, out)
+    with pytest.raises(ValueError, match="must be"):
+        kernel(x.to(torch.float16), packed, out)
     with pytest.raises(ValueError, match="does not hold"):
         kernel(x, packed, out + 16)
 
 
-def test_packed_linear_is_fp32_on_the_cpu_only_and_kept_only_where_faster(monkeypatch):
+def test_packed_linear_is_on_the_cpu_only_and_kept_only_where_faster(monkeypatch):
     cpu = torch.device("cpu")
-    assert packed_linear_kernel(torch.bfloat16, cpu) is None
+    assert packed_linear_kernel(torch.float16, cpu) is None
     assert packed_linear_kernel(torch.float32, torch.device("meta")) is None
     kernel = packed_linear_kernel(torch.float32, cpu)
     if kernel is None:
-        pytest.skip("no C compiler on this machine")
+        pytest.skip("PyTorch has no oneDNN here")
     weights = [torch.randn(16, 8)]
     assert all(seconds > 0 for seconds in cpu_kernels._time_linears(kernel, weights, 3))
     timed_rows = []
@@ -243,7 +244,7 @@ def test_packed_linear_is_fp32_on_the_cpu_only_and_kept_only_where_faster(monkey
 
         return fake
 
-    # PyTorch takes 1.5 at both; ours must be faster at decode rows, within 10% at prefill rows.
+    # PyTorch takes 1.5 at both; packed must be faster at decode rows, within 10% at prefill.
     cases = [(1.0, 1.0, True), (1.0, 1.6, True), (1.0, 1.7, False), (1.6, 1.0, False)]
     for small, large, kept in cases:
         monkeypatch.setattr(cpu_kernels, "_time_linears", timings(small, large))
@@ -255,7 +256,7 @@ def test_packed_linear_is_fp32_on_the_cpu_only_and_kept_only_where_faster(monkey
 def test_packed_linear_module_frees_its_weight_and_computes_the_same():
     kernel = packed_linear_kernel(torch.float32, torch.device("cpu"))
     if kernel is None:
-        pytest.skip("no C compiler on this machine")
+        pytest.skip("PyTorch has no oneDNN here")
     torch.manual_seed(0)
     module = Linear(40, 35, bias=True)
     x = torch.randn(3, 7, 40)

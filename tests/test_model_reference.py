@@ -67,12 +67,15 @@ def test_single_prompt_logits_match(pair):
 @pytest.mark.parametrize("kernels", ["ours", "pytorch"])
 def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_path):
     """A fresh prefill, a chunk after a cached prefix, and decodes, all in one step; through our
-    CPU kernels (decode attention, fused norms, RoPE, SiLU, packed projections, the last forced
-    on whatever the load-time timing chose) and through PyTorch ops alone."""
+    CPU kernels (prefill and decode attention, fused norms, RoPE, SiLU, packed projections, the
+    last forced on whatever the load-time timing chose) and through PyTorch ops alone."""
     reference, runner = pair
     linear = packed_linear_kernel(torch.float32, torch.device("cpu"))
     if kernels == "ours" and (
-        runner.decode_kernel is None or runner.model.norm.ops is None or linear is None
+        runner.decode_kernel is None
+        or runner.prefill_kernel is None
+        or runner.model.norm.ops is None
+        or linear is None
     ):
         pytest.skip("our CPU kernels could not be built here")
     # The model is loaded again with the packed kernel forced on or off: packing is one-way.
@@ -83,7 +86,7 @@ def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_p
     assert (model.packed_linear is not None) == (kernels == "ours")
     runner = ModelRunner(model, runner.pool, torch.device("cpu"))
     if kernels == "pytorch":
-        runner.decode_kernel = None
+        runner.decode_kernel = runner.prefill_kernel = None
         runner.model.use_fused_ops(None)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (11, 23, 9, 30)]

@@ -107,7 +107,7 @@ class LLMEngine:
             )
         self.sampler = Sampler(config.seed)
         self.policy = self._make_policy()
-        if builds_gemm_kernels(self.device, self.dtype) and config.cpu_warmup_rows:
+        if builds_gemm_kernels(self.model, self.device) and config.cpu_warmup_rows:
             self._warm_cpu_gemms()
         self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}

@@ -9,23 +9,26 @@ import torch
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import AttentionMetadata, PrefillSpan
 from bulletserve.model.cpu_kernels import decode_attention_kernel, prefill_attention_kernel
-from bulletserve.model.decoder import DecoderLM
+from bulletserve.model.decoder import DecoderLM, Linear
 
-# On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs; fp32 goes to MKL, which does not)
-# builds (JIT-compiles) a GEMM kernel the first time it meets a row count, for each thread
-# count, and caches it: in one process, a SmolLM2-135M prefill at a prompt length not met
-# before took 6 ms (17-55 tokens) to 22 ms (200-390) more than the same prefill again, its
-# five weight shapes 0.5-7 ms each. A CPU step therefore pads its rows above 32 to a multiple
-# of 16 (AMX computes in 16-row tiles), which leaves few enough row counts to build them all
-# when the engine starts (`warm_cpu_gemms`) and keeps the cache from churning. Below 32 rows
-# padding costs more than it saves (17 rows as 32: 1.22x the step); above, 0.98-1.07x.
+# On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and our packed projections in any
+# dtype; PyTorch's own fp32 GEMM goes to MKL, which does not) builds (JIT-compiles) a GEMM
+# kernel the first time it meets a row count, for each thread count, and caches it: in one
+# process, a SmolLM2-135M prefill at a prompt length not met before took 6 ms (17-55 tokens) to
+# 22 ms (200-390) more than the same prefill again, its five weight shapes 0.5-7 ms each. A CPU
+# step therefore pads its rows above 32 to a multiple of 16 (AMX computes in 16-row tiles),
+# which leaves few enough row counts to build them all when the engine starts
+# (`warm_cpu_gemms`) and keeps the cache from churning. Below 32 rows padding costs more than it
+# saves (17 rows as 32: 1.22x the step); above, 0.98-1.07x.
 CPU_EXACT_ROWS = 32
 CPU_ROW_MULTIPLE = 16
 
 
-def builds_gemm_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether GEMMs on `device` in `dtype` build a kernel per new row count (see above)."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+def builds_gemm_kernels(model: DecoderLM, device: torch.device) -> bool:
+    """Whether the model's GEMMs on `device` build a kernel per new row count (see above)."""
+    dtype = model.embed_tokens.weight.dtype
+    packed = model.packed_linear is not None
+    return device.type == "cpu" and (packed or dtype in (torch.bfloat16, torch.float16))
 
 
 def padded_rows(rows: int) -> int:
@@ -88,7 +91,7 @@ class ModelRunner:
         # --cuda-graphs; typed loosely here because that module builds on this one.
         self.graphs = None
         # Whether steps pad their rows (padded_rows); tests turn it on and off.
-        self.pad_rows = builds_gemm_kernels(device, pool.kv.dtype)
+        self.pad_rows = builds_gemm_kernels(model, device)
         if device.type == "cuda":
             # cuDNN's SDPA builds a graph per new shape, and a decode batch's context length
             # changes at every step: on an H200 (torch 2.11) it took 74% of the host's time,
@@ -227,23 +230,23 @@ def warm_cpu_gemms(
     head's up to `max_sampled_rows`), at each of `thread_counts` intra-op threads, so that no
     served step pays for building one. Returns the kernels built. Runs on the calling thread and
     leaves its thread count as it was."""
-    layers = {
-        (m.weight.shape, m.weight.dtype, m.bias is not None): (m.weight, m.bias)
+    projections = {
+        (m.in_features, m.out_features, m.bias is not None): m
         for m in model.layers.modules()
-        if isinstance(m, torch.nn.Linear)
+        if isinstance(m, Linear)
     }
-    gemms = [(weight, bias, max_rows) for weight, bias in layers.values()]
-    gemms.append((model.lm_head_weight, None, min(max_rows, max_sampled_rows)))
+    dtype = model.embed_tokens.weight.dtype
+    gemms = [(module, module.in_features, max_rows) for module in projections.values()]
+    gemms.append((model.lm_head_logits, model.config.hidden_size, min(max_rows, max_sampled_rows)))
     previous = torch.get_num_threads()
     built = 0
     try:
         with torch.inference_mode():
             for threads in thread_counts:
                 torch.set_num_threads(threads)
-                for weight, bias, most in gemms:
+                for gemm, width, most in gemms:
                     for rows in sorted({padded_rows(n) for n in range(1, most + 1)}):
-                        x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype)
-                        torch.nn.functional.linear(x, weight, bias)
+                        gemm(torch.zeros(rows, width, dtype=dtype))
                         built += 1
     finally:
         torch.set_num_threads(previous)

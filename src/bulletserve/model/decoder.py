@@ -5,7 +5,7 @@ two large GEMMs instead of five small ones. `load_hf_weights` takes Hugging Face
 The residual stream is carried beside each layer's output (as in vLLM) so that the residual add
 and the next RMSNorm are one fused op; on the CPU, `use_fused_ops` turns our C kernels on for
 those (keeping the stream in fp32), RoPE and SiLU * up, and every module keeps its PyTorch path
-for other devices. `use_packed_linear` packs the projection weights for our fp32 CPU GEMM kernel
+for other devices. `use_packed_linear` packs the projection weights once for oneDNN's CPU GEMM
 where the loader found it faster, and runs every projection through it.
 """
 
@@ -26,7 +26,7 @@ from bulletserve.model.cpu_kernels import FusedOps, PackedLinearKernel
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can hand its weight over to our packed CPU GEMM kernel."""
+    """nn.Linear that can hand its weight over to a packed CPU GEMM."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -247,7 +247,7 @@ class DecoderLM(nn.Module):
                 module.ops = ops
 
     def use_packed_linear(self, kernel: PackedLinearKernel) -> None:
-        """Pack every projection's weight, the LM head's too, for our CPU GEMM kernel; one-way
+        """Pack every projection's weight, the LM head's too, for the packed CPU GEMM; one-way
         (a tied LM head keeps the embedding and gets a packed copy)."""
         for module in self.modules():
             if isinstance(module, Linear):
@@ -296,10 +296,13 @@ class DecoderLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the selected token rows (the last token of each sampling sequence)."""
-        selected = self.norm(hidden.index_select(0, rows))
+        return self.lm_head_logits(self.norm(hidden.index_select(0, rows)))
+
+    def lm_head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed hidden rows."""
         if self.packed_linear is not None:
-            return self.packed_linear(selected, self.packed_lm_head, self.config.vocab_size)
-        return F.linear(selected, self.lm_head_weight).float()
+            return self.packed_linear(normed, self.packed_lm_head, self.config.vocab_size).float()
+        return F.linear(normed, self.lm_head_weight).float()
 
     @torch.inference_mode()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
