@@ -1,11 +1,12 @@
 /* Decode attention on the CPU, reading K and V in place from the paged cache.
  *
  * One query token per sequence. A work item is one sequence (or, when there are fewer sequences
- * than threads can share, one KV head of a sequence): its queries are scored against every key
- * of its context, read block by block through its block table, softmaxed, and used to weigh the
- * values. Keys and values are read once each, with no gathered copy and no padding; each
- * block's rows are contiguous, and the next block (elsewhere in the pool) is prefetched while
- * the current one is processed, because the decode step is bound by memory latency.
+ * than threads can share, one KV head of a sequence): for each KV head, its query heads are
+ * scored against every key of its context, read block by block through its block table,
+ * softmaxed, and used to weigh the values. Keys and values are read once each, with no gathered
+ * copy and no padding, and the next block (elsewhere in the pool) is prefetched while the
+ * current one is processed. GCC vector extensions give 16-lane vectors (one AVX-512 register,
+ * two AVX2 ones).
  *
  * The caches are [slots, kv_heads, head_dim] with slot = block * block_size + offset, the
  * layout of bulletserve.kv.pool. The library is compiled per model shape, with HEAD_DIM and
@@ -55,14 +56,51 @@ INLINE void store(void *p, long i, float v, int bf16) {
         ((float *)p)[i] = v;
 }
 
-/* Dot product with LANES independent accumulators, so it vectorizes without reassociation. */
-INLINE float dot(const float *a, const float *b) {
-    float acc[LANES] = {0};
-    for (int d = 0; d < HEAD_DIM; d += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += a[d + l] * b[d + l];
-    float s = 0.0f;
-    for (int l = 0; l < LANES; ++l) s += acc[l];
-    return s;
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+#define DV (HEAD_DIM / LANES)
+
+INLINE v16 vload(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* LANES consecutive elements of a cache row, as fp32. */
+INLINE v16 vload_cache(const void *p, long i, int bf16) {
+    if (!bf16) return vload((const float *)p + i);
+    v16h h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    const v16i bits = __builtin_convertvector(h, v16i) << 16;
+    v16 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* One pairwise level of a 16-vector sum reduction: lanes [a's halves summed, b's ...]. */
+INLINE v16 fold(v16 a, v16 b, v16i even, v16i odd) {
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+/* r[j] = the sum of a[j]'s lanes, for 16 vectors: four levels of shuffles and adds, each
+ * halving the vectors and the lanes per vector, instead of 16 horizontal sums. */
+INLINE v16 reduce16(v16 a[16]) {
+    const v16i l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i l1b = l1a + 8;
+    const v16i l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i l2b = l2a + 4;
+    const v16i l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i l3b = l3a + 2;
+    const v16i l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i l4b = l4a + 1;
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], l1a, l1b);
+    for (int i = 0; i < 4; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], l2a, l2b);
+    for (int i = 0; i < 2; ++i) d[i] = fold(c[2 * i], c[2 * i + 1], l3a, l3b);
+    return fold(d[0], d[1], l4a, l4b);
 }
 
 INLINE void prefetch_block(const char *block, long bytes) {
@@ -80,68 +118,86 @@ INLINE long block_at(const void *cache, const int32_t *table, int t0, int len, i
     return (long)table[j] * block_size * slot_len;
 }
 
-/* Attention of sequence b's query heads for KV heads [kv_begin, kv_end). Returns 0, or 1 when
- * out of memory. */
+/* Element offset of token t's row for KV head kv. */
+INLINE long slot_of(const int32_t *table, int t, int block_size, long slot_len, int kv) {
+    return ((long)table[t / block_size] * block_size + t % block_size) * slot_len
+           + (long)kv * HEAD_DIM;
+}
+
+/* Attention of sequence b's query heads for KV heads [kv_begin, kv_end). Keys go 16 at a time:
+ * each key's products with a query head summed into one vector, the 16 vectors reduced
+ * together into the 16 scores. Returns 0, or 1 when out of memory. */
 INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
                   const int32_t *table, int len, void *out, int b, int kv_begin, int kv_end,
                   int num_heads, int num_kv_heads, int block_size, float scale, int bf16) {
     const long elem = bf16 ? 2 : 4;
     const long slot_len = (long)num_kv_heads * HEAD_DIM; /* elements per slot */
-    const int heads = (kv_end - kv_begin) * GROUP;        /* query heads of this item */
-    const long head_begin = (long)kv_begin * GROUP;
-    const long row_begin = (long)kv_begin * HEAD_DIM, row_len = (long)(kv_end - kv_begin) * HEAD_DIM;
-    float *scores = malloc(sizeof(float) * ((size_t)heads * len + 2 * (size_t)heads * HEAD_DIM
-                                            + (size_t)row_len + heads));
+    const int padded = (len + LANES - 1) / LANES * LANES;
+    float *scores = malloc(sizeof(float) * (size_t)GROUP * padded);
     if (scores == NULL) return 1;
-    float *qf = scores + (size_t)heads * len; /* [heads, HEAD_DIM], pre-scaled */
-    float *acc = qf + (size_t)heads * HEAD_DIM;
-    float *row = acc + (size_t)heads * HEAD_DIM; /* one slot's keys or values, as float */
-    float *inv_sum = row + row_len;
-
-    const long q_offset = ((long)b * num_heads + head_begin) * HEAD_DIM;
-    for (long i = 0; i < (long)heads * HEAD_DIM; ++i) qf[i] = load(q, q_offset + i, bf16) * scale;
-
-    for (int t0 = 0; t0 < len; t0 += block_size) {
-        const long block = block_at(k_cache, table, t0, len, block_size, slot_len, elem);
-        const int n = len - t0 < block_size ? len - t0 : block_size;
-        for (int o = 0; o < n; ++o) {
-            const long slot = block + o * slot_len + row_begin;
-            for (long d = 0; d < row_len; ++d) row[d] = load(k_cache, slot + d, bf16);
-            for (int h = 0; h < heads; ++h)
-                scores[(size_t)h * len + t0 + o] = dot(qf + (size_t)h * HEAD_DIM,
-                                                       row + (h / GROUP) * HEAD_DIM);
-        }
-    }
-    for (int h = 0; h < heads; ++h) {
-        float *s = scores + (size_t)h * len;
-        float m = s[0];
-        for (int t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
-        for (int t = 0; t < len; ++t) {
-            s[t] = expf(s[t] - m);
-            sum += s[t];
-        }
-        inv_sum[h] = 1.0f / sum;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)heads * HEAD_DIM);
-    for (int t0 = 0; t0 < len; t0 += block_size) {
-        const long block = block_at(v_cache, table, t0, len, block_size, slot_len, elem);
-        const int n = len - t0 < block_size ? len - t0 : block_size;
-        for (int o = 0; o < n; ++o) {
-            const long slot = block + o * slot_len + row_begin;
-            for (long d = 0; d < row_len; ++d) row[d] = load(v_cache, slot + d, bf16);
-            for (int h = 0; h < heads; ++h) {
-                const float p = scores[(size_t)h * len + t0 + o];
-                const float *r = row + (h / GROUP) * HEAD_DIM;
-                float *a = acc + (size_t)h * HEAD_DIM;
-                for (int d = 0; d < HEAD_DIM; ++d) a[d] += p * r[d];
+    for (int kv = kv_begin; kv < kv_end; ++kv) {
+        const long q_offset = ((long)b * num_heads + (long)kv * GROUP) * HEAD_DIM;
+        v16 qv[GROUP][DV];
+        for (int g = 0; g < GROUP; ++g)
+            for (int d = 0; d < DV; ++d) {
+                v16 x;
+                for (int l = 0; l < LANES; ++l)
+                    x[l] = load(q, q_offset + (long)g * HEAD_DIM + d * LANES + l, bf16) * scale;
+                qv[g][d] = x;
+            }
+        float top[GROUP];
+        for (int g = 0; g < GROUP; ++g) top[g] = -1e30f;
+        for (int t0 = 0; t0 < len; t0 += LANES) {
+            if (t0 % block_size == 0) block_at(k_cache, table, t0, len, block_size, slot_len, elem);
+            v16 partial[GROUP][LANES];
+            for (int j = 0; j < LANES; ++j) {
+                /* past the context: a copy of the last key, its score dropped below */
+                const int t = t0 + j < len ? t0 + j : len - 1;
+                const long slot = slot_of(table, t, block_size, slot_len, kv);
+                v16 k[DV];
+                for (int d = 0; d < DV; ++d) k[d] = vload_cache(k_cache, slot + d * LANES, bf16);
+                for (int g = 0; g < GROUP; ++g) {
+                    v16 acc = qv[g][0] * k[0];
+                    for (int d = 1; d < DV; ++d) acc += qv[g][d] * k[d];
+                    partial[g][j] = acc;
+                }
+            }
+            for (int g = 0; g < GROUP; ++g) {
+                const v16 s = reduce16(partial[g]);
+                vstore(scores + (size_t)g * padded + t0, s);
+                const int n = len - t0 < LANES ? len - t0 : LANES;
+                for (int j = 0; j < n; ++j) top[g] = s[j] > top[g] ? s[j] : top[g];
             }
         }
+        float inv_sum[GROUP];
+        for (int g = 0; g < GROUP; ++g) {
+            float *s = scores + (size_t)g * padded;
+            float sum = 0.0f;
+            for (int t = 0; t < len; ++t) {
+                s[t] = expf(s[t] - top[g]);
+                sum += s[t];
+            }
+            inv_sum[g] = 1.0f / sum;
+        }
+        v16 acc[GROUP][DV];
+        for (int g = 0; g < GROUP; ++g)
+            for (int d = 0; d < DV; ++d) acc[g][d] = (v16){0};
+        for (int t = 0; t < len; ++t) {
+            if (t % block_size == 0) block_at(v_cache, table, t, len, block_size, slot_len, elem);
+            const long slot = slot_of(table, t, block_size, slot_len, kv);
+            v16 v[DV];
+            for (int d = 0; d < DV; ++d) v[d] = vload_cache(v_cache, slot + d * LANES, bf16);
+            for (int g = 0; g < GROUP; ++g) {
+                const v16 p = (v16){0} + scores[(size_t)g * padded + t];
+                for (int d = 0; d < DV; ++d) acc[g][d] += p * v[d];
+            }
+        }
+        for (int g = 0; g < GROUP; ++g)
+            for (int d = 0; d < DV; ++d)
+                for (int l = 0; l < LANES; ++l)
+                    store(out, q_offset + (long)g * HEAD_DIM + d * LANES + l,
+                          acc[g][d][l] * inv_sum[g], bf16);
     }
-    for (int h = 0; h < heads; ++h)
-        for (int d = 0; d < HEAD_DIM; ++d)
-            store(out, q_offset + (long)h * HEAD_DIM + d, acc[(size_t)h * HEAD_DIM + d] * inv_sum[h],
-                  bf16);
     free(scores);
     return 0;
 }
