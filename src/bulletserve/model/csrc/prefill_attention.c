@@ -16,6 +16,9 @@
  * register, two AVX2 ones). Compiled per model shape (HEAD_DIM, GROUP).
  */
 #include <math.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -161,6 +164,48 @@ INLINE void stage(const Args *a, const int32_t *table, int kv, int k0, int k1, f
     }
 }
 
+/* The online softmax of a tile's scores for ROW_BLOCK rows: masks keys past each row's
+ * position (or past k1), updates the running max m and sum l, and leaves the tile's weights in
+ * p and, per row, the factor its earlier output must be scaled by. */
+INLINE void softmax_tile(v16 s[ROW_BLOCK][TV], const int *pos, int first, int t0, int k1,
+                         float *m, float *l, float *correction, float p[ROW_BLOCK][KEY_TILE]) {
+    v16i lane;
+    for (int i = 0; i < 16; ++i) lane[i] = i;
+    const int masked = t0 + KEY_TILE - 1 > first || t0 + KEY_TILE > k1;
+    for (int r = 0; r < ROW_BLOCK; ++r) {
+        if (masked) {
+            const int bound = pos[r] < k1 - 1 ? pos[r] : k1 - 1;
+            for (int c = 0; c < TV; ++c)
+                s[r][c] = vselect(lane + (t0 + 16 * c) > bound, splat(MASKED), s[r][c]);
+        }
+        v16 top = s[r][0];
+        for (int c = 1; c < TV; ++c) top = vselect(s[r][c] > top, s[r][c], top);
+        const float tile_max = hmax(top);
+        correction[r] = 1.0f;
+        if (tile_max > m[r]) {
+            correction[r] = expf(m[r] - tile_max);
+            m[r] = tile_max;
+        }
+        v16 sum = splat(0.0f);
+        for (int c = 0; c < TV; ++c) {
+            const v16 e = vexp(s[r][c] - m[r]);
+            vstore(p[r] + 16 * c, e);
+            sum += e;
+        }
+        l[r] = l[r] * correction[r] + hsum(sum);
+    }
+}
+
+/* The first and last key positions of a block of rows: keys up to `first` are visible to all
+ * of them, keys past `limit` to none. */
+INLINE void row_bounds(const int *pos, int *first, int *limit) {
+    *first = *limit = pos[0];
+    for (int r = 1; r < ROW_BLOCK; ++r) {
+        *limit = pos[r] > *limit ? pos[r] : *limit;
+        *first = pos[r] < *first ? pos[r] : *first;
+    }
+}
+
 /* Rows [r0, r0 + ROW_BLOCK) of an item over the staged keys [k0, k1). A row's state: acc
  * (unnormalized output), running max m and sum l. Per key tile, the scores of all the block's
  * rows are computed with the tile's keys loaded once, then the rows' softmax weights are kept
@@ -168,17 +213,11 @@ INLINE void stage(const Args *a, const int32_t *table, int kv, int k0, int k1, f
  * multiply-adds rather than loads. */
 INLINE void attend_rows(const float *qf, const int *pos, float *acc, float *m, float *l,
                         const float *kt, const float *vf, int k0, int k1) {
-    int limit = pos[0]; /* the last key any of these rows sees */
-    int first = pos[0]; /* the last key all of them see */
-    for (int r = 1; r < ROW_BLOCK; ++r) {
-        limit = pos[r] > limit ? pos[r] : limit;
-        first = pos[r] < first ? pos[r] : first;
-    }
+    int first, limit;
+    row_bounds(pos, &first, &limit);
     const int end = limit + 1 < k1 ? limit + 1 : k1;
     if (end <= k0) return;
     float p[ROW_BLOCK][KEY_TILE];
-    v16i lane;
-    for (int i = 0; i < 16; ++i) lane[i] = i;
     for (int t0 = k0; t0 < end; t0 += KEY_TILE) {
         const int j0 = t0 - k0;
         v16 s[ROW_BLOCK][TV];
@@ -193,30 +232,8 @@ INLINE void attend_rows(const float *qf, const int *pos, float *acc, float *m, f
                 for (int c = 0; c < TV; ++c) s[r][c] += qv * k[c];
             }
         }
-        const int masked = t0 + KEY_TILE - 1 > first || t0 + KEY_TILE > k1;
         float correction[ROW_BLOCK];
-        for (int r = 0; r < ROW_BLOCK; ++r) {
-            if (masked) {
-                const int bound = pos[r] < k1 - 1 ? pos[r] : k1 - 1;
-                for (int c = 0; c < TV; ++c)
-                    s[r][c] = vselect(lane + (t0 + 16 * c) > bound, splat(MASKED), s[r][c]);
-            }
-            v16 top = s[r][0];
-            for (int c = 1; c < TV; ++c) top = vselect(s[r][c] > top, s[r][c], top);
-            const float tile_max = hmax(top);
-            correction[r] = 1.0f;
-            if (tile_max > m[r]) {
-                correction[r] = expf(m[r] - tile_max);
-                m[r] = tile_max;
-            }
-            v16 sum = splat(0.0f);
-            for (int c = 0; c < TV; ++c) {
-                const v16 e = vexp(s[r][c] - m[r]);
-                vstore(p[r] + 16 * c, e);
-                sum += e;
-            }
-            l[r] = l[r] * correction[r] + hsum(sum);
-        }
+        softmax_tile(s, pos, first, t0, k1, m, l, correction, p);
         v16 o[ROW_BLOCK][DV];
         for (int r = 0; r < ROW_BLOCK; ++r)
             for (int d = 0; d < DV; ++d)
@@ -234,6 +251,89 @@ INLINE void attend_rows(const float *qf, const int *pos, float *acc, float *m, f
             for (int d = 0; d < DV; ++d) vstore(acc + (long)r * HEAD_DIM + 16 * d, o[r][d]);
     }
 }
+
+#ifdef __AVX512BF16__
+/* bf16 with AVX-512 bf16: scores and weighted values as bf16 dot products of pairs
+ * (vdpbf16ps: two multiply-adds a lane), half the instructions of the fp32 path. K is staged
+ * as pairs of dimensions, [tile][HEAD_DIM / 2][KEY_TILE] 32-bit words, V as pairs of keys,
+ * [KEY_SPAN / 2][HEAD_DIM] words; the weights are rounded to bf16 before they weigh V. */
+#define PAIRS 1
+#define KP_INDEX(j, p) (((long)(j) / KEY_TILE * (HEAD_DIM / 2) + (p)) * KEY_TILE + (j) % KEY_TILE)
+
+INLINE void stage_pairs(const Args *a, const int32_t *table, int kv, int k0, int k1,
+                        uint32_t *kp, uint32_t *vp) {
+    const long slot_len = (long)a->num_kv_heads * HEAD_DIM;
+    const int padded = (k1 - k0 + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    const uint16_t *kc = a->k_cache, *vc = a->v_cache;
+    for (int j = 0; j < padded; ++j) {
+        const int t = k0 + j;
+        uint16_t *vwords = (uint16_t *)(vp + (long)(j / 2) * HEAD_DIM) + j % 2;
+        if (t >= k1) {
+            for (int p = 0; p < HEAD_DIM / 2; ++p) kp[KP_INDEX(j, p)] = 0;
+            for (int d = 0; d < HEAD_DIM; ++d) vwords[2 * d] = 0;
+            continue;
+        }
+        const long slot = (long)table[t / a->block_size] * a->block_size + t % a->block_size;
+        const long base = slot * slot_len + (long)kv * HEAD_DIM;
+        uint32_t words[HEAD_DIM / 2];
+        memcpy(words, kc + base, sizeof words);
+        for (int p = 0; p < HEAD_DIM / 2; ++p) kp[KP_INDEX(j, p)] = words[p];
+        for (int d = 0; d < HEAD_DIM; ++d) vwords[2 * d] = vc[base + d];
+    }
+}
+
+INLINE v16 dot_pairs(v16 acc, const uint32_t *pairs, uint32_t broadcast) {
+    __m512i x;
+    memcpy(&x, pairs, sizeof x);
+    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)_mm512_set1_epi32((int)broadcast));
+}
+
+INLINE void attend_rows_pairs(const uint32_t *qp, const int *pos, float *acc, float *m, float *l,
+                              const uint32_t *kp, const uint32_t *vp, int k0, int k1,
+                              float scale) {
+    int first, limit;
+    row_bounds(pos, &first, &limit);
+    const int end = limit + 1 < k1 ? limit + 1 : k1;
+    if (end <= k0) return;
+    float p[ROW_BLOCK][KEY_TILE];
+    uint32_t w[ROW_BLOCK][KEY_TILE / 2];
+    for (int t0 = k0; t0 < end; t0 += KEY_TILE) {
+        const int j0 = t0 - k0;
+        v16 s[ROW_BLOCK][TV];
+        for (int r = 0; r < ROW_BLOCK; ++r)
+            for (int c = 0; c < TV; ++c) s[r][c] = splat(0.0f);
+        const uint32_t *ktile = kp + KP_INDEX(j0, 0);
+        for (int d = 0; d < HEAD_DIM / 2; ++d)
+            for (int r = 0; r < ROW_BLOCK; ++r)
+                for (int c = 0; c < TV; ++c)
+                    s[r][c] = dot_pairs(s[r][c], ktile + (long)d * KEY_TILE + 16 * c,
+                                        qp[(long)r * (HEAD_DIM / 2) + d]);
+        for (int r = 0; r < ROW_BLOCK; ++r)
+            for (int c = 0; c < TV; ++c) s[r][c] *= scale;
+        float correction[ROW_BLOCK];
+        softmax_tile(s, pos, first, t0, k1, m, l, correction, p);
+        for (int r = 0; r < ROW_BLOCK; ++r)
+            for (int c = 0; c < TV; c += 2) {
+                const __m512bh h = _mm512_cvtne2ps_pbh((__m512)vload(p[r] + 16 * c + 16),
+                                                       (__m512)vload(p[r] + 16 * c));
+                memcpy(w[r] + 8 * c, &h, sizeof h);
+            }
+        v16 o[ROW_BLOCK][DV];
+        for (int r = 0; r < ROW_BLOCK; ++r)
+            for (int d = 0; d < DV; ++d)
+                o[r][d] = vload(acc + (long)r * HEAD_DIM + 16 * d) * correction[r];
+        for (int j = 0; j < KEY_TILE / 2; ++j) {
+            const uint32_t *v = vp + (long)(j0 / 2 + j) * HEAD_DIM;
+            for (int r = 0; r < ROW_BLOCK; ++r)
+                for (int d = 0; d < DV; ++d) o[r][d] = dot_pairs(o[r][d], v + 16 * d, w[r][j]);
+        }
+        for (int r = 0; r < ROW_BLOCK; ++r)
+            for (int d = 0; d < DV; ++d) vstore(acc + (long)r * HEAD_DIM + 16 * d, o[r][d]);
+    }
+}
+#else
+#define PAIRS 0
+#endif
 
 /* One item: sequence `seq`'s query tokens [c0, c1) for KV head kv. Returns 1 when out of
  * memory. */
@@ -260,8 +360,12 @@ INLINE int attend_item(const Args *a, const int32_t *query_starts, const int32_t
         const int row = r < rows ? r : rows - 1;
         const int t = c0 + row / GROUP, h = kv * GROUP + row % GROUP;
         const long q_offset = (long)(query_starts[seq] + t) * a->q_stride + (long)h * HEAD_DIM;
-        for (int d = 0; d < HEAD_DIM; ++d)
-            qf[(long)r * HEAD_DIM + d] = load(a->q, q_offset + d, bf16) * a->scale;
+        if (PAIRS && bf16)
+            memcpy((uint32_t *)qf + (long)r * (HEAD_DIM / 2), (const uint16_t *)a->q + q_offset,
+                   sizeof(uint16_t) * HEAD_DIM);
+        else
+            for (int d = 0; d < HEAD_DIM; ++d)
+                qf[(long)r * HEAD_DIM + d] = load(a->q, q_offset + d, bf16) * a->scale;
         pos[r] = cached + t;
         m[r] = MASKED;
         l[r] = 0.0f;
@@ -270,6 +374,17 @@ INLINE int attend_item(const Args *a, const int32_t *query_starts, const int32_t
     const int keys = cached + c1;
     for (int k0 = 0; k0 < keys; k0 += KEY_SPAN) {
         const int k1 = k0 + KEY_SPAN < keys ? k0 + KEY_SPAN : keys;
+#if PAIRS
+        if (bf16) {
+            /* the raw bf16 pairs of q; the scale is applied to the scores */
+            uint32_t *qp = (uint32_t *)qf, *kp = (uint32_t *)kt, *vp = (uint32_t *)vf;
+            stage_pairs(a, table, kv, k0, k1, kp, vp);
+            for (int r = 0; r < padded_rows; r += ROW_BLOCK)
+                attend_rows_pairs(qp + (long)r * (HEAD_DIM / 2), pos + r,
+                                  acc + (long)r * HEAD_DIM, m + r, l + r, kp, vp, k0, k1, a->scale);
+            continue;
+        }
+#endif
         stage(a, table, kv, k0, k1, kt, vf, bf16);
         for (int r = 0; r < padded_rows; r += ROW_BLOCK)
             attend_rows(qf + (long)r * HEAD_DIM, pos + r, acc + (long)r * HEAD_DIM, m + r, l + r,

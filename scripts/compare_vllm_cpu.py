@@ -1,0 +1,244 @@
+"""Ours against vLLM's CPU build on this machine, side by side, driven by vLLM's own client.
+
+For each repeat, each configuration in turn (interleaved): start its server, run vLLM's
+benchmark client (`../shared/peers/vllm_bench_serve.py`, random dataset, greedy, ignore_eos)
+at each Poisson rate and each concurrency level, stop it. Reports per configuration the medians
+over repeats of: SLO attainment per rate (a request counts if TTFT <= --slo-ttft-per-token-ms x
+its prompt tokens and its TPOT <= --slo-tpot-ms), the highest rate at 90% attainment, output
+throughput at saturation (the highest rate), mean TPOT at each concurrency (over
+min(--num-prompts, max(16, 4 x concurrency)) requests), and the server's peak RSS (its whole
+process tree). Set up the peer first (`../shared/peers/README.md`).
+
+    .venv/bin/python scripts/compare_vllm_cpu.py --configs vllm,chunked,bullet \
+        --input-len 384 --output-len 96 --rates 4,6,8,11 --concurrency 1,16,64 --repeats 3 \
+        --slo-ttft-per-token-ms 4 --slo-tpot-ms 250 --output compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT.parent / "shared" / "peers"
+VLLM_PYTHON = "/tmp/vllm-cpu/bin/python"
+PEER_MODEL = "/tmp/smollm2-hf"  # what serve_vllm_cpu.sh serves, and the client's tokenizer
+
+
+def server_command(config: str, port: int, extra: list[str]) -> tuple[list[str], str]:
+    """(the command that serves `config` on `port`, the model name it reports)."""
+    if config == "vllm":
+        return [str(PEERS / "serve_vllm_cpu.sh"), str(port)], PEER_MODEL
+    policy, _, chunk = config.partition("-")
+    command = [str(ROOT / ".venv" / "bin" / "bullet"), "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--policy", policy, *extra]
+    if chunk:
+        command += ["--chunked-prefill-size", chunk]
+    return command, "SmolLM2-135M-Instruct"
+
+
+class Server:
+    """A server process, its readiness and its process tree's peak RSS."""
+
+    def __init__(self, command: list[str], port: int, log: Path) -> None:
+        self.port = port
+        self.log = log.open("w")
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.peak_rss = 0
+        self._sampling = True
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        root = psutil.Process(self.process.pid)
+        while self._sampling:
+            try:
+                tree = [root, *root.children(recursive=True)]
+                rss = sum(p.memory_info().rss for p in tree if p.is_running())
+                self.peak_rss = max(self.peak_rss, rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.5)
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited ({self.process.returncode}); see {self.log.name}"
+                )
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(2)
+        raise TimeoutError(f"server not ready after {timeout_s} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        self._sampling = False
+        os.killpg(self.process.pid, 15)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+        self.log.close()
+
+
+def run_client(
+    args: argparse.Namespace, port: int, name: str, load: list[str], out: Path, prompts: int
+) -> dict:
+    command = [VLLM_PYTHON, str(PEERS / "vllm_bench_serve.py"), "--backend", "openai"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--endpoint", "/v1/completions"]
+    command += ["--model", PEER_MODEL, "--served-model-name", name]
+    command += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+    command += ["--random-output-len", str(args.output_len)]
+    command += ["--random-range-ratio", str(args.range_ratio), "--num-prompts"]
+    command += [str(prompts), "--temperature", "0", "--ignore-eos", "--seed"]
+    command += [str(args.seed), *load, "--save-result", "--save-detailed"]
+    command += ["--result-dir", str(out.parent), "--result-filename", out.name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=3600)
+    return json.loads(out.read_text())
+
+
+def score(result: dict, args: argparse.Namespace, prompts: int) -> dict:
+    """Attainment, throughput and mean TPOT of one client run."""
+    met, tpots = 0, []
+    rows = zip(
+        result["input_lens"], result["output_lens"], result["ttfts"], result["latencies"],
+        strict=True,
+    )  # fmt: skip
+    for prompt, output, ttft, latency in rows:
+        if not ttft or output < 1:
+            continue
+        tpot = (latency - ttft) / (output - 1) if output > 1 else 0.0
+        tpots.append(tpot)
+        if ttft <= args.slo_ttft_per_token_ms * 1e-3 * prompt and tpot <= args.slo_tpot_ms * 1e-3:
+            met += 1
+    return {
+        "attainment": met / prompts,
+        "output_tok_s": result["output_throughput"],
+        "mean_tpot_ms": statistics.mean(tpots) * 1e3 if tpots else None,
+        "mean_ttft_ms": result["mean_ttft_ms"],
+        "failed": result["failed"],
+    }
+
+
+def capacity(attainment: dict[float, float], target: float = 0.9) -> float | None:
+    """The highest rate at or above `target`, with every lower rate also at or above it."""
+    best = None
+    for rate in sorted(attainment):
+        if attainment[rate] < target:
+            break
+        best = rate
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="vllm,chunked,bullet")
+    parser.add_argument("--input-len", type=int, default=384)
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--range-ratio", type=float, default=0.6)
+    parser.add_argument("--num-prompts", type=int, default=150)
+    parser.add_argument("--rates", default="4,6,8,11")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--slo-ttft-per-token-ms", type=float, default=4.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    parser.add_argument("--port", type=int, default=18950)
+    parser.add_argument("--ours-args", default="", help="extra flags for `bullet serve`")
+    parser.add_argument("--output", default="compare_vllm_cpu.json")
+    args = parser.parse_args()
+    if not Path(VLLM_PYTHON).exists():
+        sys.exit("vLLM's CPU build is not set up: bash ../shared/peers/setup_vllm_cpu.sh")
+
+    rates = [float(r) for r in args.rates.split(",") if r]
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    configs = args.configs.split(",")
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    work = Path(tempfile.mkdtemp(prefix="compare-vllm-"))
+    for repeat in range(args.repeats):
+        for config in configs:
+            command, name = server_command(config, args.port, args.ours_args.split())
+            server = Server(command, args.port, work / f"{config}-{repeat}.log")
+            run: dict = {"rates": {}, "concurrency": {}}
+            try:
+                server.wait_ready()
+                for rate in rates:
+                    out = work / f"{config}-{repeat}-r{rate}.json"
+                    load = ["--request-rate", str(rate)]
+                    result = run_client(args, args.port, name, load, out, args.num_prompts)
+                    run["rates"][rate] = score(result, args, args.num_prompts)
+                for level in levels:
+                    out = work / f"{config}-{repeat}-c{level}.json"
+                    load = ["--request-rate", "inf", "--max-concurrency", str(level)]
+                    # enough requests to hold `level` streams for a while, not more
+                    prompts = min(args.num_prompts, max(16, 4 * level))
+                    result = run_client(args, args.port, name, load, out, prompts)
+                    run["concurrency"][level] = score(result, args, prompts)
+            finally:
+                server.stop()
+            run["peak_rss_mb"] = server.peak_rss / 2**20
+            runs[config].append(run)
+            print(f"[{repeat}] {config}: {json.dumps(run)}", flush=True)
+
+    summary = {}
+    for config, config_runs in runs.items():
+        attain = {
+            r: statistics.median(x["rates"][r]["attainment"] for x in config_runs) for r in rates
+        }
+        top = max(rates)
+        summary[config] = {
+            "attainment": attain,
+            "capacity_at_90": capacity(attain),
+            "output_tok_s_at_highest_rate": statistics.median(
+                x["rates"][top]["output_tok_s"] for x in config_runs
+            ),
+            "mean_tpot_ms_at_concurrency": {
+                c: statistics.median(x["concurrency"][c]["mean_tpot_ms"] for x in config_runs)
+                for c in levels
+            },
+            "output_tok_s_at_concurrency": {
+                c: statistics.median(x["concurrency"][c]["output_tok_s"] for x in config_runs)
+                for c in levels
+            },
+            "peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in config_runs),
+        }
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "cpu": _cpu_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+        "summary": summary,
+        "runs": runs,
+    }
+    Path(args.output).write_text(json.dumps(report, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    main()
