@@ -201,11 +201,33 @@ def test_fused_ops_match_pytorch(dtype, tolerance):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_copies_strided_rows_into_their_slots(dtype):
+    ops = fused_ops(dtype, torch.device("cpu"))
+    if ops is None:
+        pytest.skip("no C compiler on this machine")
+    generator = torch.Generator().manual_seed(0)
+    tokens, kv_heads, dim = 300, 3, 16  # past the op's threshold for threads
+    fused = torch.randn(tokens, 9 * dim, generator=generator).to(dtype)
+    k = fused[:, 3 * dim : 6 * dim].view(tokens, kv_heads, dim)  # a column slice
+    v = fused[:, 6 * dim :].reshape(tokens, kv_heads, dim).clone()  # contiguous
+    slots = torch.randperm(1000, generator=generator)[:tokens]
+    k_cache = torch.zeros(1000, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros(1000, kv_heads, dim, dtype=dtype)
+    ops.kv_write(k, v, slots, k_cache, v_cache)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)
+    untouched = torch.ones(1000, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_cache[untouched] == 0).all() and (v_cache[untouched] == 0).all()
+    with pytest.raises(ValueError, match="int64"):
+        ops.kv_write(k, v, slots.int(), k_cache, v_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("width", "out", "bias"), [(576, 960, False), (45, 19, True)])
 def test_packed_linear_matches_pytorch_at_any_rows(dtype, width, out, bias):
     kernel = packed_linear_kernel(dtype, torch.device("cpu"))
     if kernel is None:
-        pytest.skip("PyTorch has no oneDNN here")
+        pytest.skip("oneDNN cannot reorder this dtype on this CPU")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out, width, generator=generator).to(dtype)
     b = torch.randn(out, generator=generator).to(dtype) if bias else None

@@ -86,7 +86,7 @@ def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_p
     assert (model.packed_linear is not None) == (kernels == "ours")
     runner = ModelRunner(model, runner.pool, torch.device("cpu"))
     if kernels == "pytorch":
-        runner.decode_kernel = runner.prefill_kernel = None
+        runner.decode_kernel = runner.prefill_kernel = runner.kv_writer = None
         runner.model.use_fused_ops(None)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (11, 23, 9, 30)]

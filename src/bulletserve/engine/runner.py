@@ -8,7 +8,11 @@ import torch
 
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import AttentionMetadata, PrefillSpan
-from bulletserve.model.cpu_kernels import decode_attention_kernel, prefill_attention_kernel
+from bulletserve.model.cpu_kernels import (
+    decode_attention_kernel,
+    fused_ops,
+    prefill_attention_kernel,
+)
 from bulletserve.model.decoder import DecoderLM, Linear
 
 # On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and our packed projections in any
@@ -87,6 +91,7 @@ class ModelRunner:
         self.prefill_kernel = prefill_attention_kernel(
             pool.kv.dtype, config.head_dim, group, device
         )
+        self.kv_writer = fused_ops(pool.kv.dtype, device)
         # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine under
         # --cuda-graphs; typed loosely here because that module builds on this one.
         self.graphs = None
@@ -153,6 +158,7 @@ class ModelRunner:
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
             num_tokens=num_tokens,
+            kv_writer=self.kv_writer,
             **decode_fields,
         )
         return StepBatch(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bulletserve.model.cpu_kernels import DecodeAttentionKernel, PrefillAttentionKernel
+from bulletserve.model.cpu_kernels import DecodeAttentionKernel, FusedOps, PrefillAttentionKernel
 
 
 @dataclass
@@ -43,6 +43,8 @@ class AttentionMetadata:
     # null slot, and the matching validity mask.
     decode_slots: torch.Tensor | None = None  # [batch, max_context]
     decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_context]
+    # Writes the new keys and values through our CPU op (else index_copy_).
+    kv_writer: FusedOps | None = None
     # Prefills through our CPU kernel, which reads the blocks in place: every span's block
     # table, and int32 [3, spans] of first query row, query length and cached length.
     prefill_kernel: PrefillAttentionKernel | None = None
@@ -74,8 +76,11 @@ def paged_attention(
     if tokens < q.shape[0]:  # padded: skipped otherwise, as it runs in every layer of every step
         k, v = k[:tokens], v[:tokens]
         out[tokens:] = 0
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.kv_writer is not None:
+        meta.kv_writer.kv_write(k, v, meta.slot_mapping, k_cache, v_cache)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.prefill_kernel is not None and meta.prefills:
         meta.prefill_kernel(
             q[: meta.num_prefill_tokens],

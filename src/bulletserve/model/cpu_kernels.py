@@ -300,6 +300,8 @@ def packed_linear_kernel(
     keeps within `PREFILL_SLOWDOWN_ALLOWED` of it at prefill rows (timed alternately with
     `F.linear` on the calling thread)."""
     usable = device.type == "cpu" and dtype in _PACKABLE and torch.backends.mkldnn.is_available()
+    # oneDNN reorders bf16 weights only where the CPU has AVX-512 (or AVX-NE-CONVERT).
+    usable = usable and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if not usable or os.environ.get("BULLET_CPU_KERNELS") == "0":
         return None
     kernel = PackedLinearKernel()
@@ -349,6 +351,11 @@ class FusedOps:
         )
         self._rope = _function(library, f"rope_{suffix}", [_ptr] * 4 + [_long] * 4 + [_int])
         self._silu_mul = _function(library, f"silu_mul_{suffix}", [_ptr] * 2 + [_long] * 2 + [_int])
+        self._kv_write = _function(
+            library,
+            f"kv_write_{suffix}",
+            [_ptr, _ptr, _long, _long] + [_ptr] * 3 + [_long] * 2 + [_int],
+        )
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm(x) * weight for a contiguous [rows, dim] x."""
@@ -403,6 +410,42 @@ class FusedOps:
             heads,
             head_dim,
             x.stride(0),
+            torch.get_num_threads(),
+        )
+
+    def kv_write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]. k, v: [T, KVH, D] with rows
+        of contiguous heads (column slices of one projection are fine); slots: int64 [T];
+        caches: contiguous [slots, KVH, D], of this dtype."""
+        tokens = slots.shape[0]
+        row_len = k_cache.shape[1] * k_cache.shape[2]
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != self.dtype or x.shape[0] < tokens or x[0].numel() != row_len:
+                raise ValueError(f"{name} must be {self.dtype} rows of {row_len}")
+            if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+                raise ValueError(f"{name} must have contiguous rows")
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if x.dtype != self.dtype or not x.is_contiguous():
+                raise ValueError(f"{name} must be contiguous {self.dtype}")
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            raise ValueError("slots must be contiguous int64")
+        self._kv_write(
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tokens,
+            row_len,
             torch.get_num_threads(),
         )
 

@@ -5,6 +5,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Parallelize only when a call has enough work to pay for waking a thread team. */
 #define PARALLEL_MIN_ELEMENTS 32768
@@ -88,5 +89,22 @@ static inline float f32_store(float x) { return x; }
         }                                                                                         \
     }
 
+/* The new tokens' keys and values into their cache slots: row t of k and v (row_len elements,
+ * rows k_stride and v_stride apart: column slices of the fused projection) to row slots[t] of
+ * the caches.
+ * One copy per row, where PyTorch's index_copy_ of a strided source copies it twice. */
+#define DEFINE_KV_WRITE(SUFFIX, T)                                                                \
+    void kv_write_##SUFFIX(const T *k, const T *v, long k_stride, long v_stride,                  \
+                           const int64_t *slots,                                                  \
+                           T *k_cache, T *v_cache, long tokens, long row_len, int num_threads) {  \
+        _Pragma("omp parallel for num_threads(num_threads) if (tokens * row_len >= PARALLEL_MIN_ELEMENTS)") \
+        for (long t = 0; t < tokens; ++t) {                                                       \
+            memcpy(k_cache + slots[t] * row_len, k + t * k_stride, sizeof(T) * row_len);          \
+            memcpy(v_cache + slots[t] * row_len, v + t * v_stride, sizeof(T) * row_len);          \
+        }                                                                                         \
+    }
+
+DEFINE_KV_WRITE(bf16, uint16_t)
+DEFINE_KV_WRITE(f32, float)
 DEFINE_OPS(bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_OPS(f32, float, f32_load, f32_store)
