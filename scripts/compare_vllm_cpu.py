@@ -38,10 +38,20 @@ PEER_MODEL = "/tmp/smollm2-hf"  # what serve_vllm_cpu.sh serves, and the client'
 
 
 def server_command(config: str, port: int, extra: list[str]) -> tuple[list[str], str]:
-    """(the command that serves `config` on `port`, the model name it reports)."""
-    if config == "vllm":
-        return [str(PEERS / "serve_vllm_cpu.sh"), str(port)], PEER_MODEL
+    """(the command that serves `config` on `port`, the model name it reports). `vllm` is the
+    peer as serve_vllm_cpu.sh starts it; `vllm-N` the same with --max-num-batched-tokens N (its
+    chunk), `chunked-N` ours with --chunked-prefill-size N."""
     policy, _, chunk = config.partition("-")
+    if policy == "vllm":
+        command = [str(PEERS / "serve_vllm_cpu.sh"), str(port)]
+        if chunk:  # serve_vllm_cpu.sh takes no extra flags: its command with one more
+            env = "VLLM_CACHE_ROOT=/tmp/vllm-cache VLLM_CPU_KVCACHE_SPACE=2 "
+            env += "VLLM_CPU_OMP_THREADS_BIND=0-1 HF_HUB_OFFLINE=1 VLLM_HTTP_TIMEOUT_KEEP_ALIVE=120"
+            command = ["env", *env.split(), VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
+            command += ["--model", PEER_MODEL, "--dtype", "bfloat16", "--max-model-len", "4096"]
+            command += ["--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching"]
+            command += ["--max-num-batched-tokens", chunk]
+        return command, PEER_MODEL
     command = [str(ROOT / ".venv" / "bin" / "bullet"), "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--policy", policy, *extra]
     if chunk:
@@ -140,12 +150,18 @@ def score(result: dict, args: argparse.Namespace, prompts: int) -> dict:
 
 
 def capacity(attainment: dict[float, float], target: float = 0.9) -> float | None:
-    """The highest rate at or above `target`, with every lower rate also at or above it."""
+    """The rate where attainment falls through `target`: linearly interpolated between the last
+    rate at or above it (every lower rate too) and the next one; that last rate if no rate
+    falls below; None if the lowest rate is already below."""
+    rates = sorted(attainment)
     best = None
-    for rate in sorted(attainment):
-        if attainment[rate] < target:
+    for low, high in zip(rates, [*rates[1:], None], strict=True):
+        if attainment[low] < target:
             break
-        best = rate
+        best = low
+        if high is not None and attainment[high] < target:
+            fall = (attainment[low] - target) / (attainment[low] - attainment[high])
+            return low + fall * (high - low)
     return best
 
 
