@@ -37,20 +37,24 @@ VLLM_PYTHON = "/tmp/vllm-cpu/bin/python"
 PEER_MODEL = "/tmp/smollm2-hf"  # what serve_vllm_cpu.sh serves, and the client's tokenizer
 
 
-def server_command(config: str, port: int, extra: list[str]) -> tuple[list[str], str]:
+def server_command(
+    config: str, port: int, extra: list[str], peer_dtype: str
+) -> tuple[list[str], str]:
     """(the command that serves `config` on `port`, the model name it reports). `vllm` is the
-    peer as serve_vllm_cpu.sh starts it; `vllm-N` the same with --max-num-batched-tokens N (its
-    chunk), `chunked-N` ours with --chunked-prefill-size N."""
+    peer as serve_vllm_cpu.sh starts it, in `peer_dtype`; `vllm-N` the same with
+    --max-num-batched-tokens N (its chunk), `chunked-N` ours with --chunked-prefill-size N."""
     policy, _, chunk = config.partition("-")
     if policy == "vllm":
         command = [str(PEERS / "serve_vllm_cpu.sh"), str(port)]
-        if chunk:  # serve_vllm_cpu.sh takes no extra flags: its command with one more
+        if chunk or peer_dtype != "bfloat16":
+            # serve_vllm_cpu.sh takes no extra flags: its command with these
             env = "VLLM_CACHE_ROOT=/tmp/vllm-cache VLLM_CPU_KVCACHE_SPACE=2 "
             env += "VLLM_CPU_OMP_THREADS_BIND=0-1 HF_HUB_OFFLINE=1 VLLM_HTTP_TIMEOUT_KEEP_ALIVE=120"
             command = ["env", *env.split(), VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
-            command += ["--model", PEER_MODEL, "--dtype", "bfloat16", "--max-model-len", "4096"]
+            command += ["--model", PEER_MODEL, "--dtype", peer_dtype, "--max-model-len", "4096"]
             command += ["--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching"]
-            command += ["--max-num-batched-tokens", chunk]
+            if chunk:
+                command += ["--max-num-batched-tokens", chunk]
         return command, PEER_MODEL
     command = [str(ROOT / ".venv" / "bin" / "bullet"), "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--policy", policy, *extra]
@@ -180,6 +184,11 @@ def main() -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     parser.add_argument("--port", type=int, default=18950)
     parser.add_argument("--ours-args", default="", help="extra flags for `bullet serve`")
+    parser.add_argument(
+        "--peer-dtype",
+        default="bfloat16",
+        help="vLLM's --dtype: float32 on a CPU without native bf16, where its bf16 is slow",
+    )
     parser.add_argument("--output", default="compare_vllm_cpu.json")
     args = parser.parse_args()
     if not Path(VLLM_PYTHON).exists():
@@ -192,7 +201,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="compare-vllm-"))
     for repeat in range(args.repeats):
         for config in configs:
-            command, name = server_command(config, args.port, args.ours_args.split())
+            command, name = server_command(
+                config, args.port, args.ours_args.split(), args.peer_dtype
+            )
             server = Server(command, args.port, work / f"{config}-{repeat}.log")
             run: dict = {"rates": {}, "concurrency": {}}
             try:

@@ -5,8 +5,8 @@
  * scored against every key of its context, read block by block through its block table,
  * softmaxed, and used to weigh the values. Keys and values are read once each, with no gathered
  * copy and no padding, and the next block (elsewhere in the pool) is prefetched while the
- * current one is processed. GCC vector extensions give 16-lane vectors (one AVX-512 register,
- * two AVX2 ones).
+ * current one is processed. GCC vector extensions give the vectors (LANES floats, one
+ * register).
  *
  * The caches are [slots, kv_heads, head_dim] with slot = block * block_size + offset, the
  * layout of bulletserve.kv.pool. The library is compiled per model shape, with HEAD_DIM and
@@ -17,7 +17,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Vectors of LANES floats, one register each: GCC lowers wider vector types through memory. */
+#ifdef __AVX512F__
 #define LANES 16
+#else
+#define LANES 8
+#endif
 #define CACHE_LINE 64
 
 #if !defined(HEAD_DIM) || !defined(GROUP)
@@ -56,52 +61,67 @@ INLINE void store(void *p, long i, float v, int bf16) {
         ((float *)p)[i] = v;
 }
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef int32_t veci __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vech __attribute__((vector_size(LANES * 2)));
 #define DV (HEAD_DIM / LANES)
 
-INLINE v16 vload(const float *p) {
-    v16 v;
+INLINE vec vload(const float *p) {
+    vec v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-INLINE void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+INLINE void vstore(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* LANES consecutive elements of a cache row, as fp32. */
-INLINE v16 vload_cache(const void *p, long i, int bf16) {
+INLINE vec vload_cache(const void *p, long i, int bf16) {
     if (!bf16) return vload((const float *)p + i);
-    v16h h;
+    vech h;
     memcpy(&h, (const uint16_t *)p + i, sizeof h);
-    const v16i bits = __builtin_convertvector(h, v16i) << 16;
-    v16 v;
+    const veci bits = __builtin_convertvector(h, veci) << 16;
+    vec v;
     memcpy(&v, &bits, sizeof v);
     return v;
 }
 
-/* One pairwise level of a 16-vector sum reduction: lanes [a's halves summed, b's ...]. */
-INLINE v16 fold(v16 a, v16 b, v16i even, v16i odd) {
+/* One pairwise level of a sum reduction over LANES vectors: lanes [a's halves summed, b's ...]. */
+INLINE vec fold(vec a, vec b, veci even, veci odd) {
     return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
 }
 
-/* r[j] = the sum of a[j]'s lanes, for 16 vectors: four levels of shuffles and adds, each
- * halving the vectors and the lanes per vector, instead of 16 horizontal sums. */
-INLINE v16 reduce16(v16 a[16]) {
-    const v16i l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16i l1b = l1a + 8;
-    const v16i l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const v16i l2b = l2a + 4;
-    const v16i l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const v16i l3b = l3a + 2;
-    const v16i l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const v16i l4b = l4a + 1;
-    v16 b[8], c[4], d[2];
+/* r[j] = the sum of a[j]'s lanes, for LANES vectors: log2(LANES) levels of shuffles and adds,
+ * each halving the vectors and the lanes per vector, instead of LANES horizontal sums. */
+#if LANES == 16
+INLINE vec reduce_lanes(vec a[16]) {
+    const veci l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const veci l1b = l1a + 8;
+    const veci l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const veci l2b = l2a + 4;
+    const veci l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const veci l3b = l3a + 2;
+    const veci l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const veci l4b = l4a + 1;
+    vec b[8], c[4], d[2];
     for (int i = 0; i < 8; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], l1a, l1b);
     for (int i = 0; i < 4; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], l2a, l2b);
     for (int i = 0; i < 2; ++i) d[i] = fold(c[2 * i], c[2 * i + 1], l3a, l3b);
     return fold(d[0], d[1], l4a, l4b);
 }
+#else
+INLINE vec reduce_lanes(vec a[8]) {
+    const veci l1a = {0, 1, 2, 3, 8, 9, 10, 11};
+    const veci l1b = l1a + 4;
+    const veci l2a = {0, 1, 4, 5, 8, 9, 12, 13};
+    const veci l2b = l2a + 2;
+    const veci l3a = {0, 2, 4, 6, 8, 10, 12, 14};
+    const veci l3b = l3a + 1;
+    vec b[4], c[2];
+    for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], l1a, l1b);
+    for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], l2a, l2b);
+    return fold(c[0], c[1], l3a, l3b);
+}
+#endif
 
 INLINE void prefetch_block(const char *block, long bytes) {
     for (long c = 0; c < bytes; c += CACHE_LINE) __builtin_prefetch(block + c);
@@ -124,9 +144,9 @@ INLINE long slot_of(const int32_t *table, int t, int block_size, long slot_len, 
            + (long)kv * HEAD_DIM;
 }
 
-/* Attention of sequence b's query heads for KV heads [kv_begin, kv_end). Keys go 16 at a time:
- * each key's products with a query head summed into one vector, the 16 vectors reduced
- * together into the 16 scores. Returns 0, or 1 when out of memory. */
+/* Attention of sequence b's query heads for KV heads [kv_begin, kv_end). Keys go LANES at a
+ * time: each key's products with a query head summed into one vector, the LANES vectors
+ * reduced together into the LANES scores. Returns 0, or 1 when out of memory. */
 INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
                   const int32_t *table, int len, void *out, int b, int kv_begin, int kv_end,
                   int num_heads, int num_kv_heads, int block_size, float scale, int bf16) {
@@ -137,10 +157,10 @@ INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
     if (scores == NULL) return 1;
     for (int kv = kv_begin; kv < kv_end; ++kv) {
         const long q_offset = ((long)b * num_heads + (long)kv * GROUP) * HEAD_DIM;
-        v16 qv[GROUP][DV];
+        vec qv[GROUP][DV];
         for (int g = 0; g < GROUP; ++g)
             for (int d = 0; d < DV; ++d) {
-                v16 x;
+                vec x;
                 for (int l = 0; l < LANES; ++l)
                     x[l] = load(q, q_offset + (long)g * HEAD_DIM + d * LANES + l, bf16) * scale;
                 qv[g][d] = x;
@@ -149,21 +169,21 @@ INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
         for (int g = 0; g < GROUP; ++g) top[g] = -1e30f;
         for (int t0 = 0; t0 < len; t0 += LANES) {
             if (t0 % block_size == 0) block_at(k_cache, table, t0, len, block_size, slot_len, elem);
-            v16 partial[GROUP][LANES];
+            vec partial[GROUP][LANES];
             for (int j = 0; j < LANES; ++j) {
                 /* past the context: a copy of the last key, its score dropped below */
                 const int t = t0 + j < len ? t0 + j : len - 1;
                 const long slot = slot_of(table, t, block_size, slot_len, kv);
-                v16 k[DV];
+                vec k[DV];
                 for (int d = 0; d < DV; ++d) k[d] = vload_cache(k_cache, slot + d * LANES, bf16);
                 for (int g = 0; g < GROUP; ++g) {
-                    v16 acc = qv[g][0] * k[0];
+                    vec acc = qv[g][0] * k[0];
                     for (int d = 1; d < DV; ++d) acc += qv[g][d] * k[d];
                     partial[g][j] = acc;
                 }
             }
             for (int g = 0; g < GROUP; ++g) {
-                const v16 s = reduce16(partial[g]);
+                const vec s = reduce_lanes(partial[g]);
                 vstore(scores + (size_t)g * padded + t0, s);
                 const int n = len - t0 < LANES ? len - t0 : LANES;
                 for (int j = 0; j < n; ++j) top[g] = s[j] > top[g] ? s[j] : top[g];
@@ -179,16 +199,16 @@ INLINE int attend(const void *q, const void *k_cache, const void *v_cache,
             }
             inv_sum[g] = 1.0f / sum;
         }
-        v16 acc[GROUP][DV];
+        vec acc[GROUP][DV];
         for (int g = 0; g < GROUP; ++g)
-            for (int d = 0; d < DV; ++d) acc[g][d] = (v16){0};
+            for (int d = 0; d < DV; ++d) acc[g][d] = (vec){0};
         for (int t = 0; t < len; ++t) {
             if (t % block_size == 0) block_at(v_cache, table, t, len, block_size, slot_len, elem);
             const long slot = slot_of(table, t, block_size, slot_len, kv);
-            v16 v[DV];
+            vec v[DV];
             for (int d = 0; d < DV; ++d) v[d] = vload_cache(v_cache, slot + d * LANES, bf16);
             for (int g = 0; g < GROUP; ++g) {
-                const v16 p = (v16){0} + scores[(size_t)g * padded + t];
+                const vec p = (vec){0} + scores[(size_t)g * padded + t];
                 for (int d = 0; d < DV; ++d) acc[g][d] += p * v[d];
             }
         }

@@ -12,8 +12,8 @@
  * 9 heads over 3 KV heads) at about 80 GFLOP/s on two Zen 5 cores, a tenth of their GEMM peak.
  *
  * The caches are [slots, kv_heads, HEAD_DIM] with slot = block * block_size + offset, the
- * layout of bulletserve.kv.pool. GCC vector extensions give 16-lane vectors (one AVX-512
- * register, two AVX2 ones). Compiled per model shape (HEAD_DIM, GROUP).
+ * layout of bulletserve.kv.pool. GCC vector extensions give the vectors (VL lanes, one
+ * register). Compiled per model shape (HEAD_DIM, GROUP).
  */
 #include <math.h>
 #ifdef __AVX512BF16__
@@ -27,18 +27,25 @@
 #error "compile with -DHEAD_DIM=<head dim> -DGROUP=<query heads per KV head>"
 #endif
 
-#define KEY_TILE 64     /* keys scored together (TV vectors of 16) */
-#define TV (KEY_TILE / 16)
 #define KEY_SPAN 512    /* keys converted to fp32 at a time (K^T and V: 256 KB at head dim 64) */
 #define QUERY_CHUNK 64  /* query tokens per work item */
-/* Rows whose scores and outputs are accumulated in registers together: as many as 32 vector
- * registers hold (AVX-512), fewer with 16 (AVX2, where a 16-lane vector takes two). */
+/* Vectors of VL floats, one register each: GCC lowers wider vector types through memory. Sized
+ * so that a block's scores and outputs stay in registers (32 of them with AVX-512, 16 with
+ * AVX2): ROW_BLOCK rows are accumulated together, the scores of KEY_TILE keys each (TV
+ * vectors), then DCHUNK vectors of output columns each at a time. */
 #ifdef __AVX512F__
+#define VL 16
 #define ROW_BLOCK 6
+#define KEY_TILE 64
+#define DCHUNK (HEAD_DIM / VL)
 #else
-#define ROW_BLOCK 2
+#define VL 8
+#define ROW_BLOCK 6
+#define KEY_TILE 8
+#define DCHUNK 2
 #endif
-#define DV (HEAD_DIM / 16)
+#define TV (KEY_TILE / VL)
+#define DV (HEAD_DIM / VL)
 /* The score of a masked key: finite, as -ffast-math assumes no infinities. */
 #define MASKED -1e30f
 
@@ -46,8 +53,8 @@
 #error "HEAD_DIM must be a multiple of 16"
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float vec __attribute__((vector_size(VL * 4)));
+typedef int32_t veci __attribute__((vector_size(VL * 4)));
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -76,48 +83,48 @@ INLINE void store(void *p, long i, float v, int bf16) {
         ((float *)p)[i] = v;
 }
 
-INLINE v16 splat(float x) { return (v16){0} + x; }
+INLINE vec splat(float x) { return (vec){0} + x; }
 
-INLINE v16 vload(const float *p) {
-    v16 v;
+INLINE vec vload(const float *p) {
+    vec v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-INLINE void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+INLINE void vstore(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* mask ? a : b, lane by lane (mask lanes are all ones or all zeros). */
-INLINE v16 vselect(v16i mask, v16 a, v16 b) {
-    v16i ai, bi;
+INLINE vec vselect(veci mask, vec a, vec b) {
+    veci ai, bi;
     memcpy(&ai, &a, sizeof ai);
     memcpy(&bi, &b, sizeof bi);
-    const v16i ri = (ai & mask) | (bi & ~mask);
-    v16 r;
+    const veci ri = (ai & mask) | (bi & ~mask);
+    vec r;
     memcpy(&r, &ri, sizeof r);
     return r;
 }
 
-INLINE float hmax(v16 v) {
+INLINE float hmax(vec v) {
     float m = v[0];
-    for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+    for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m;
     return m;
 }
 
-INLINE float hsum(v16 v) {
+INLINE float hsum(vec v) {
     float s = 0.0f;
-    for (int i = 0; i < 16; ++i) s += v[i];
+    for (int i = 0; i < VL; ++i) s += v[i];
     return s;
 }
 
 /* exp(x) for x <= 0 (scores minus their running max), 0 at and below -87: 2^n * p(r) with
  * n = trunc(x / ln2), r = x - n ln2 in (-ln2, 0], p a degree-7 Taylor polynomial (relative
  * error below 2e-6). */
-INLINE v16 vexp(v16 x) {
-    const v16 clamped = vselect(x < -87.0f, splat(-87.0f), x);
-    const v16i n = __builtin_convertvector(clamped * 1.44269504088896341f, v16i);
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 r = clamped - nf * 0.693145751953125f - nf * 1.42860682030941723212e-6f;
-    v16 p = splat(1.0f / 5040.0f);
+INLINE vec vexp(vec x) {
+    const vec clamped = vselect(x < -87.0f, splat(-87.0f), x);
+    const veci n = __builtin_convertvector(clamped * 1.44269504088896341f, veci);
+    const vec nf = __builtin_convertvector(n, vec);
+    const vec r = clamped - nf * 0.693145751953125f - nf * 1.42860682030941723212e-6f;
+    vec p = splat(1.0f / 5040.0f);
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -125,8 +132,8 @@ INLINE v16 vexp(v16 x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const v16i bits = (n + 127) << 23;
-    v16 scale;
+    const veci bits = (n + 127) << 23;
+    vec scale;
     memcpy(&scale, &bits, sizeof scale);
     return vselect(x <= -87.0f, splat(0.0f), p * scale);
 }
@@ -167,18 +174,18 @@ INLINE void stage(const Args *a, const int32_t *table, int kv, int k0, int k1, f
 /* The online softmax of a tile's scores for ROW_BLOCK rows: masks keys past each row's
  * position (or past k1), updates the running max m and sum l, and leaves the tile's weights in
  * p and, per row, the factor its earlier output must be scaled by. */
-INLINE void softmax_tile(v16 s[ROW_BLOCK][TV], const int *pos, int first, int t0, int k1,
+INLINE void softmax_tile(vec s[ROW_BLOCK][TV], const int *pos, int first, int t0, int k1,
                          float *m, float *l, float *correction, float p[ROW_BLOCK][KEY_TILE]) {
-    v16i lane;
-    for (int i = 0; i < 16; ++i) lane[i] = i;
+    veci lane;
+    for (int i = 0; i < VL; ++i) lane[i] = i;
     const int masked = t0 + KEY_TILE - 1 > first || t0 + KEY_TILE > k1;
     for (int r = 0; r < ROW_BLOCK; ++r) {
         if (masked) {
             const int bound = pos[r] < k1 - 1 ? pos[r] : k1 - 1;
             for (int c = 0; c < TV; ++c)
-                s[r][c] = vselect(lane + (t0 + 16 * c) > bound, splat(MASKED), s[r][c]);
+                s[r][c] = vselect(lane + (t0 + VL * c) > bound, splat(MASKED), s[r][c]);
         }
-        v16 top = s[r][0];
+        vec top = s[r][0];
         for (int c = 1; c < TV; ++c) top = vselect(s[r][c] > top, s[r][c], top);
         const float tile_max = hmax(top);
         correction[r] = 1.0f;
@@ -186,10 +193,10 @@ INLINE void softmax_tile(v16 s[ROW_BLOCK][TV], const int *pos, int first, int t0
             correction[r] = expf(m[r] - tile_max);
             m[r] = tile_max;
         }
-        v16 sum = splat(0.0f);
+        vec sum = splat(0.0f);
         for (int c = 0; c < TV; ++c) {
-            const v16 e = vexp(s[r][c] - m[r]);
-            vstore(p[r] + 16 * c, e);
+            const vec e = vexp(s[r][c] - m[r]);
+            vstore(p[r] + VL * c, e);
             sum += e;
         }
         l[r] = l[r] * correction[r] + hsum(sum);
@@ -220,35 +227,39 @@ INLINE void attend_rows(const float *qf, const int *pos, float *acc, float *m, f
     float p[ROW_BLOCK][KEY_TILE];
     for (int t0 = k0; t0 < end; t0 += KEY_TILE) {
         const int j0 = t0 - k0;
-        v16 s[ROW_BLOCK][TV];
+        vec s[ROW_BLOCK][TV];
         for (int r = 0; r < ROW_BLOCK; ++r)
             for (int c = 0; c < TV; ++c) s[r][c] = splat(0.0f);
         const float *ktile = kt + KT_INDEX(j0, 0);
         for (int d = 0; d < HEAD_DIM; ++d) {
-            v16 k[TV];
-            for (int c = 0; c < TV; ++c) k[c] = vload(ktile + (long)d * KEY_TILE + 16 * c);
+            vec k[TV];
+            for (int c = 0; c < TV; ++c) k[c] = vload(ktile + (long)d * KEY_TILE + VL * c);
             for (int r = 0; r < ROW_BLOCK; ++r) {
-                const v16 qv = splat(qf[(long)r * HEAD_DIM + d]);
+                const vec qv = splat(qf[(long)r * HEAD_DIM + d]);
                 for (int c = 0; c < TV; ++c) s[r][c] += qv * k[c];
             }
         }
         float correction[ROW_BLOCK];
         softmax_tile(s, pos, first, t0, k1, m, l, correction, p);
-        v16 o[ROW_BLOCK][DV];
-        for (int r = 0; r < ROW_BLOCK; ++r)
-            for (int d = 0; d < DV; ++d)
-                o[r][d] = vload(acc + (long)r * HEAD_DIM + 16 * d) * correction[r];
-        for (int j = 0; j < KEY_TILE; ++j) {
-            const float *v = vf + (long)(j0 + j) * HEAD_DIM;
-            v16 vv[DV];
-            for (int d = 0; d < DV; ++d) vv[d] = vload(v + 16 * d);
-            for (int r = 0; r < ROW_BLOCK; ++r) {
-                const v16 w = splat(p[r][j]);
-                for (int d = 0; d < DV; ++d) o[r][d] += w * vv[d];
+        for (int d0 = 0; d0 < DV; d0 += DCHUNK) {
+            float *out = acc + VL * d0;
+            vec o[ROW_BLOCK][DCHUNK];
+            for (int r = 0; r < ROW_BLOCK; ++r)
+                for (int d = 0; d < DCHUNK; ++d)
+                    o[r][d] = vload(out + (long)r * HEAD_DIM + VL * d) * correction[r];
+            for (int j = 0; j < KEY_TILE; ++j) {
+                const float *v = vf + (long)(j0 + j) * HEAD_DIM + VL * d0;
+                vec vv[DCHUNK];
+                for (int d = 0; d < DCHUNK; ++d) vv[d] = vload(v + VL * d);
+                for (int r = 0; r < ROW_BLOCK; ++r) {
+                    const vec w = splat(p[r][j]);
+                    for (int d = 0; d < DCHUNK; ++d) o[r][d] += w * vv[d];
+                }
             }
+            for (int r = 0; r < ROW_BLOCK; ++r)
+                for (int d = 0; d < DCHUNK; ++d)
+                    vstore(out + (long)r * HEAD_DIM + VL * d, o[r][d]);
         }
-        for (int r = 0; r < ROW_BLOCK; ++r)
-            for (int d = 0; d < DV; ++d) vstore(acc + (long)r * HEAD_DIM + 16 * d, o[r][d]);
     }
 }
 
@@ -282,10 +293,10 @@ INLINE void stage_pairs(const Args *a, const int32_t *table, int kv, int k0, int
     }
 }
 
-INLINE v16 dot_pairs(v16 acc, const uint32_t *pairs, uint32_t broadcast) {
+INLINE vec dot_pairs(vec acc, const uint32_t *pairs, uint32_t broadcast) {
     __m512i x;
     memcpy(&x, pairs, sizeof x);
-    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)_mm512_set1_epi32((int)broadcast));
+    return (vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)_mm512_set1_epi32((int)broadcast));
 }
 
 INLINE void attend_rows_pairs(const uint32_t *qp, const int *pos, float *acc, float *m, float *l,
@@ -299,14 +310,14 @@ INLINE void attend_rows_pairs(const uint32_t *qp, const int *pos, float *acc, fl
     uint32_t w[ROW_BLOCK][KEY_TILE / 2];
     for (int t0 = k0; t0 < end; t0 += KEY_TILE) {
         const int j0 = t0 - k0;
-        v16 s[ROW_BLOCK][TV];
+        vec s[ROW_BLOCK][TV];
         for (int r = 0; r < ROW_BLOCK; ++r)
             for (int c = 0; c < TV; ++c) s[r][c] = splat(0.0f);
         const uint32_t *ktile = kp + KP_INDEX(j0, 0);
         for (int d = 0; d < HEAD_DIM / 2; ++d)
             for (int r = 0; r < ROW_BLOCK; ++r)
                 for (int c = 0; c < TV; ++c)
-                    s[r][c] = dot_pairs(s[r][c], ktile + (long)d * KEY_TILE + 16 * c,
+                    s[r][c] = dot_pairs(s[r][c], ktile + (long)d * KEY_TILE + VL * c,
                                         qp[(long)r * (HEAD_DIM / 2) + d]);
         for (int r = 0; r < ROW_BLOCK; ++r)
             for (int c = 0; c < TV; ++c) s[r][c] *= scale;
@@ -314,21 +325,21 @@ INLINE void attend_rows_pairs(const uint32_t *qp, const int *pos, float *acc, fl
         softmax_tile(s, pos, first, t0, k1, m, l, correction, p);
         for (int r = 0; r < ROW_BLOCK; ++r)
             for (int c = 0; c < TV; c += 2) {
-                const __m512bh h = _mm512_cvtne2ps_pbh((__m512)vload(p[r] + 16 * c + 16),
-                                                       (__m512)vload(p[r] + 16 * c));
+                const __m512bh h = _mm512_cvtne2ps_pbh((__m512)vload(p[r] + VL * c + VL),
+                                                       (__m512)vload(p[r] + VL * c));
                 memcpy(w[r] + 8 * c, &h, sizeof h);
             }
-        v16 o[ROW_BLOCK][DV];
+        vec o[ROW_BLOCK][DV];
         for (int r = 0; r < ROW_BLOCK; ++r)
             for (int d = 0; d < DV; ++d)
-                o[r][d] = vload(acc + (long)r * HEAD_DIM + 16 * d) * correction[r];
+                o[r][d] = vload(acc + (long)r * HEAD_DIM + VL * d) * correction[r];
         for (int j = 0; j < KEY_TILE / 2; ++j) {
             const uint32_t *v = vp + (long)(j0 / 2 + j) * HEAD_DIM;
             for (int r = 0; r < ROW_BLOCK; ++r)
-                for (int d = 0; d < DV; ++d) o[r][d] = dot_pairs(o[r][d], v + 16 * d, w[r][j]);
+                for (int d = 0; d < DV; ++d) o[r][d] = dot_pairs(o[r][d], v + VL * d, w[r][j]);
         }
         for (int r = 0; r < ROW_BLOCK; ++r)
-            for (int d = 0; d < DV; ++d) vstore(acc + (long)r * HEAD_DIM + 16 * d, o[r][d]);
+            for (int d = 0; d < DV; ++d) vstore(acc + (long)r * HEAD_DIM + VL * d, o[r][d]);
     }
 }
 #else
