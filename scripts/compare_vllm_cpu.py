@@ -6,8 +6,8 @@ at each Poisson rate and each concurrency level, stop it. Reports per configurat
 over repeats of: SLO attainment per rate (a request counts if TTFT <= --slo-ttft-per-token-ms x
 its prompt tokens and its TPOT <= --slo-tpot-ms), the highest rate at 90% attainment, output
 throughput at saturation (the highest rate), mean TPOT at each concurrency (over
-min(--num-prompts, max(16, 4 x concurrency)) requests), and the server's peak RSS (its whole
-process tree). Set up the peer first (`../shared/peers/README.md`).
+max(4, concurrency) requests), and the server's peak RSS (its whole process tree). Set up the
+peer first (`../shared/peers/README.md`).
 
     .venv/bin/python scripts/compare_vllm_cpu.py --configs vllm,chunked,bullet \
         --input-len 384 --output-len 96 --rates 4,6,8,11 --concurrency 1,16,64 --repeats 3 \
@@ -216,8 +216,8 @@ def main() -> None:
                 for level in levels:
                     out = work / f"{config}-{repeat}-c{level}.json"
                     load = ["--request-rate", "inf", "--max-concurrency", str(level)]
-                    # enough requests to hold `level` streams for a while, not more
-                    prompts = min(args.num_prompts, max(16, 4 * level))
+                    # `level` streams at once (four in turn for one stream)
+                    prompts = max(4, level)
                     result = run_client(args, args.port, name, load, out, prompts)
                     run["concurrency"][level] = score(result, args, prompts)
             finally:

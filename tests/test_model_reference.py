@@ -8,7 +8,7 @@ import torch
 from bulletserve.engine.runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model import loader
-from bulletserve.model.cpu_kernels import packed_linear_kernel
+from bulletserve.model.cpu_kernels import blocked_linear_kernel, onednn_linear_kernel
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from tests.tiny_models import make_hf_model
@@ -64,14 +64,17 @@ def test_single_prompt_logits_match(pair):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kernels", ["ours", "pytorch"])
+@pytest.mark.parametrize("kernels", ["ours-onednn", "ours-blocked", "pytorch"])
 def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_path):
     """A fresh prefill, a chunk after a cached prefix, and decodes, all in one step; through our
-    CPU kernels (prefill and decode attention, fused norms, RoPE, SiLU, packed projections, the
-    last forced on whatever the load-time timing chose) and through PyTorch ops alone."""
+    CPU kernels (prefill and decode attention, fused norms, RoPE, SiLU, packed projections by
+    oneDNN or our blocked GEMM, forced on whatever the load-time timing chose) and through
+    PyTorch ops alone."""
     reference, runner = pair
-    linear = packed_linear_kernel(torch.float32, torch.device("cpu"))
-    if kernels == "ours" and (
+    getter = {"ours-onednn": onednn_linear_kernel, "ours-blocked": blocked_linear_kernel}
+    ours = kernels in getter
+    linear = getter[kernels](torch.float32, torch.device("cpu")) if ours else None
+    if ours and (
         runner.decode_kernel is None
         or runner.prefill_kernel is None
         or runner.model.norm.ops is None
@@ -79,11 +82,9 @@ def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_p
     ):
         pytest.skip("our CPU kernels could not be built here")
     # The model is loaded again with the packed kernel forced on or off: packing is one-way.
-    monkeypatch.setattr(
-        loader, "packed_linear_kernel", lambda *_: linear if kernels == "ours" else None
-    )
+    monkeypatch.setattr(loader, "packed_linear_kernel", lambda *_: linear)
     model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), 512)
-    assert (model.packed_linear is not None) == (kernels == "ours")
+    assert (model.packed_linear is not None) == ours
     runner = ModelRunner(model, runner.pool, torch.device("cpu"))
     if kernels == "pytorch":
         runner.decode_kernel = runner.prefill_kernel = runner.kv_writer = None

@@ -15,8 +15,9 @@ from bulletserve.model.cpu_kernels import (
 )
 from bulletserve.model.decoder import DecoderLM, Linear
 
-# On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and our packed projections in any
-# dtype; PyTorch's own fp32 GEMM goes to MKL, which does not) builds (JIT-compiles) a GEMM
+# On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and the oneDNN packed projections
+# in any dtype; PyTorch's own fp32 GEMM goes to MKL, and our blocked one to our C, which do
+# not) builds (JIT-compiles) a GEMM
 # kernel the first time it meets a row count, for each thread count, and caches it: in one
 # process, a SmolLM2-135M prefill at a prompt length not met before took 6 ms (17-55 tokens) to
 # 22 ms (200-390) more than the same prefill again, its five weight shapes 0.5-7 ms each. A CPU
@@ -31,7 +32,7 @@ CPU_ROW_MULTIPLE = 16
 def builds_gemm_kernels(model: DecoderLM, device: torch.device) -> bool:
     """Whether the model's GEMMs on `device` build a kernel per new row count (see above)."""
     dtype = model.embed_tokens.weight.dtype
-    packed = model.packed_linear is not None
+    packed = model.packed_linear is not None and model.packed_linear.builds_per_row_count
     return device.type == "cpu" and (packed or dtype in (torch.bfloat16, torch.float16))
 
 

@@ -7,9 +7,10 @@
   place, SiLU * up), each one pass over the activations instead of five to ten PyTorch ops.
 - `csrc/prefill_attention.c`: prefill attention (whole prompts and later chunks after cached
   ones) reading the paged cache in place, flash-style.
+- `csrc/blocked_linear.c`: an fp32 GEMM over weights packed at load in blocks of 16 columns.
 - `PackedLinearKernel` is no C of ours: the projections through oneDNN with weights reordered
-  once at load, used only where it times faster than PyTorch's own GEMM on this machine at a
-  decode step's rows and a prefill's (`packed_linear_kernel` checks at load).
+  once at load. The loader times it and the blocked GEMM against PyTorch's own GEMM at a decode
+  step's rows and a prefill's, and keeps the fastest (`packed_linear_kernel`).
 
 They are compiled with the system C compiler for this machine (`-march=native`) and cached under
 the bulletserve cache folder; the attention kernel per head shape, so that its loops unroll.
@@ -34,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Protocol
 
 import platformdirs
 import torch
@@ -252,12 +254,36 @@ def prefill_attention_kernel(
 PACK_ROWS_HINT = 64
 
 
+class LinearKernel(Protocol):
+    """A CPU GEMM y = x W^T (+ bias) over weights repacked once, at load, into its own layout."""
+
+    # Whether it builds (JIT-compiles) a kernel per new row count, as oneDNN does: the runner
+    # then pads rows and warms those builds up (engine.runner.builds_gemm_kernels).
+    builds_per_row_count: ClassVar[bool]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[out, in] -> the layout `__call__` reads (the same values)."""
+        ...
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [..., in] in the weight's dtype; returns [..., out_features]."""
+        ...
+
+
 @dataclass(frozen=True)
 class PackedLinearKernel:
-    """y = x W^T (+ bias) through oneDNN, with W reordered once, at load, into the blocked
-    layout its GEMM reads. PyTorch's own CPU linear reorders (bf16: oneDNN) or reads W as it is
-    (fp32: MKL) at every call: on two Zen 5 cores the packed form ran a decode step's
-    projections 1.3-1.8x faster in bf16 and 2-3x in fp32, a prefill's about 1.05x and 2x."""
+    """The GEMM through oneDNN, with W reordered into the blocked layout its GEMM reads. PyTorch's
+    own CPU linear reorders (bf16: oneDNN) or reads W as it is (fp32: MKL) at every call: on two
+    Zen 5 cores the packed form ran a decode step's projections 1.3-1.8x faster in bf16 and
+    2-3x in fp32, a prefill's about 1.05x and 2x."""
+
+    builds_per_row_count: ClassVar[bool] = True
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -283,61 +309,145 @@ class PackedLinearKernel:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# The loader times the packed form against PyTorch's GEMM at a decode step's rows and at a
-# prefill's. Packing is one-way (the [out, in] copy is freed, so the packed form then runs every
-# projection): it is used where it is faster at decode rows and at most 10% slower at prefill
-# rows (where both run near the cores' peak; decode steps are the many).
+BLOCK_COLS = 16  # output columns per block of csrc/blocked_linear.c's layout
+
+
+@dataclass(frozen=True)
+class BlockedLinearKernel:
+    """The fp32 GEMM of csrc/blocked_linear.c, with W in blocks of 16 output columns."""
+
+    function: ctypes._CFuncPtr
+    builds_per_row_count: ClassVar[bool] = False
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """[out, in] -> [ceil(out / 16), in, 16]: for each block of 16 output columns, their
+        weights k by k (zero past `out`)."""
+        if weight.dim() != 2 or weight.dtype != torch.float32:
+            raise ValueError(f"weight must be fp32 [out, in], got {weight.dtype} {weight.shape}")
+        out, width = weight.shape
+        blocks = -(-out // BLOCK_COLS)
+        padded = F.pad(weight, (0, 0, 0, blocks * BLOCK_COLS - out))
+        return padded.view(blocks, BLOCK_COLS, width).transpose(1, 2).contiguous()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: fp32 [..., in]; packed: `pack`'s [ceil(out_features / 16), in, 16]."""
+        width = packed.shape[1]
+        if x.dtype != torch.float32 or x.shape[-1] != width:
+            raise ValueError(f"x must be fp32 [..., {width}], got {x.dtype} {x.shape}")
+        if packed.shape != (-(-out_features // BLOCK_COLS), width, BLOCK_COLS):
+            raise ValueError(f"packed weight {packed.shape} does not hold {out_features} outputs")
+        rows_in = x.reshape(-1, width).contiguous()
+        out = torch.empty((rows_in.shape[0], out_features), dtype=torch.float32)
+        bias = None if bias is None else bias.contiguous()  # held until the call returns
+        self.function(
+            rows_in.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows_in.shape[0],
+            width,
+            out_features,
+            torch.get_num_threads(),
+        )
+        return out.view(*x.shape[:-1], out_features)
+
+
+def onednn_linear_kernel(dtype: torch.dtype, device: torch.device) -> PackedLinearKernel | None:
+    """oneDNN's packed GEMM where it can run this dtype here, else None."""
+    usable = kernels_enabled(dtype, device) and torch.backends.mkldnn.is_available()
+    # oneDNN reorders bf16 weights only where the CPU has AVX-512 (or AVX-NE-CONVERT).
+    if not usable or (dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return None
+    return PackedLinearKernel()
+
+
+def blocked_linear_kernel(dtype: torch.dtype, device: torch.device) -> BlockedLinearKernel | None:
+    """Our fp32 blocked GEMM where it compiles, else None."""
+    if dtype != torch.float32 or not kernels_enabled(dtype, device):
+        return None
+    library = _library("blocked_linear")
+    if library is None:
+        return None
+    return BlockedLinearKernel(
+        _function(library, "blocked_linear_f32", [_ptr] * 4 + [_long] * 3 + [_int])
+    )
+
+
+# The loader times each packed GEMM against PyTorch's at a decode step's rows and at a
+# prefill's. Packing is one-way (the [out, in] copy is freed, so the chosen kernel then runs
+# every projection): a kernel is eligible where it is faster at decode rows and at most 10%
+# slower at prefill rows (where all run near the cores' peak; decode steps are the many), and
+# of the eligible ones the lowest sum of the two times relative to PyTorch's wins.
 DECODE_ROWS, PREFILL_ROWS = 8, 256
 PREFILL_SLOWDOWN_ALLOWED = 1.1
-_PACKABLE = (torch.float32, torch.bfloat16)
 
 
 def packed_linear_kernel(
     dtype: torch.dtype, device: torch.device, weights: list[torch.Tensor] | None = None
-) -> PackedLinearKernel | None:
-    """The packed linear where it can be used, else None. Given `weights` (one layer's
-    projections), only where it beats PyTorch's GEMM on them on this machine at decode rows and
-    keeps within `PREFILL_SLOWDOWN_ALLOWED` of it at prefill rows (timed alternately with
+) -> LinearKernel | None:
+    """A packed GEMM where one can be used, else None: oneDNN's, else our blocked one. Given
+    `weights` (one layer's projections), the one that runs them fastest on this machine,
+    and only where it beats PyTorch's GEMM as the rule above says (timed alternately with
     `F.linear` on the calling thread)."""
-    usable = device.type == "cpu" and dtype in _PACKABLE and torch.backends.mkldnn.is_available()
-    # oneDNN reorders bf16 weights only where the CPU has AVX-512 (or AVX-NE-CONVERT).
-    usable = usable and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if not usable or os.environ.get("BULLET_CPU_KERNELS") == "0":
-        return None
-    kernel = PackedLinearKernel()
-    if weights is None:
-        return kernel
-    timings = {rows: _time_linears(kernel, weights, rows) for rows in (DECODE_ROWS, PREFILL_ROWS)}
-    (decode, decode_base), (prefill, prefill_base) = timings.values()
-    faster = decode < decode_base and prefill <= PREFILL_SLOWDOWN_ALLOWED * prefill_base
-    log.info(
-        "packed linear vs PyTorch on one layer's projections: %s; %s",
-        ", ".join(
-            f"{rows} rows {o * 1e3:.2f} vs {p * 1e3:.2f} ms" for rows, (o, p) in timings.items()
-        ),
-        "using it" if faster else "not using it",
+    candidates: list[LinearKernel] = [
+        kernel
+        for kernel in (onednn_linear_kernel(dtype, device), blocked_linear_kernel(dtype, device))
+        if kernel is not None
+    ]
+    if not candidates or weights is None:
+        return candidates[0] if candidates else None
+    (decode, decode_base), (prefill, prefill_base) = (
+        _time_linears(candidates, weights, rows) for rows in (DECODE_ROWS, PREFILL_ROWS)
     )
-    return kernel if faster else None
+    best, best_cost = None, float("inf")
+    for kernel, at_decode, at_prefill in zip(candidates, decode, prefill, strict=True):
+        eligible = at_decode < decode_base and at_prefill <= PREFILL_SLOWDOWN_ALLOWED * prefill_base
+        cost = at_decode / decode_base + at_prefill / prefill_base
+        if eligible and cost < best_cost:
+            best, best_cost = kernel, cost
+    log.info(
+        "packed GEMMs vs PyTorch's on one layer's projections (%d, %d rows): %s, PyTorch "
+        "%.2f, %.2f ms; using %s",
+        DECODE_ROWS,
+        PREFILL_ROWS,
+        ", ".join(
+            f"{type(k).__name__} {d * 1e3:.2f}, {p * 1e3:.2f} ms"
+            for k, d, p in zip(candidates, decode, prefill, strict=True)
+        ),
+        decode_base * 1e3,
+        prefill_base * 1e3,
+        "PyTorch's" if best is None else type(best).__name__,
+    )
+    return best
 
 
 def _time_linears(
-    kernel: PackedLinearKernel, weights: list[torch.Tensor], rows: int, repeats: int = 5
-) -> tuple[float, float]:
-    """Median seconds of one pass over `weights` at `rows` rows: (packed, PyTorch)."""
+    kernels: list[LinearKernel], weights: list[torch.Tensor], rows: int, repeats: int = 5
+) -> tuple[list[float], float]:
+    """Median seconds of one pass over `weights` at `rows` rows: (each kernel's, PyTorch's)."""
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, w.shape[1], generator=generator).to(w.dtype) for w in weights]
-    packed = [(kernel.pack(w), w.shape[0]) for w in weights]
-    times: dict[str, list[float]] = {"packed": [], "pytorch": []}
+    packed = [[(kernel.pack(w), w.shape[0]) for w in weights] for kernel in kernels]
+    times: list[list[float]] = [[] for _ in range(len(kernels) + 1)]
     for _ in range(repeats + 1):  # the first round warms caches and thread teams up
-        start = time.perf_counter()
-        for x, (p, out) in zip(inputs, packed, strict=True):
-            kernel(x, p, out)
-        times["packed"].append(time.perf_counter() - start)
+        for kernel, kernel_packed, kernel_times in zip(kernels, packed, times, strict=False):
+            start = time.perf_counter()
+            for x, (p, out) in zip(inputs, kernel_packed, strict=True):
+                kernel(x, p, out)
+            kernel_times.append(time.perf_counter() - start)
         start = time.perf_counter()
         for x, weight in zip(inputs, weights, strict=True):
             F.linear(x, weight)
-        times["pytorch"].append(time.perf_counter() - start)
-    return statistics.median(times["packed"][1:]), statistics.median(times["pytorch"][1:])
+        times[-1].append(time.perf_counter() - start)
+    medians = [statistics.median(t[1:]) for t in times]
+    return medians[:-1], medians[-1]
 
 
 class FusedOps:

@@ -5,8 +5,9 @@ two large GEMMs instead of five small ones. `load_hf_weights` takes Hugging Face
 The residual stream is carried beside each layer's output (as in vLLM) so that the residual add
 and the next RMSNorm are one fused op; on the CPU, `use_fused_ops` turns our C kernels on for
 those (keeping the stream in fp32), RoPE and SiLU * up, and every module keeps its PyTorch path
-for other devices. `use_packed_linear` packs the projection weights once for oneDNN's CPU GEMM
-where the loader found it faster, and runs every projection through it.
+for other devices. `use_packed_linear` packs the projection weights once for a CPU GEMM (oneDNN's
+or our blocked fp32 one, whichever the loader found fastest) and runs every projection through
+it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from bulletserve.model.attention import AttentionMetadata, paged_attention
 from bulletserve.model.config import ModelConfig, RopeScaling
-from bulletserve.model.cpu_kernels import FusedOps, PackedLinearKernel
+from bulletserve.model.cpu_kernels import FusedOps, LinearKernel
 
 
 class Linear(nn.Linear):
@@ -30,9 +31,9 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.kernel: PackedLinearKernel | None = None
+        self.kernel: LinearKernel | None = None
 
-    def use_packed(self, kernel: PackedLinearKernel) -> None:
+    def use_packed(self, kernel: LinearKernel) -> None:
         """Replace the weight with its packed form and run through `kernel` from now on. One-way:
         the [out, in] weight is freed (memory stays that of one copy)."""
         packed = kernel.pack(self.weight.detach())
@@ -234,7 +235,7 @@ class DecoderLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_linear: PackedLinearKernel | None = None
+        self.packed_linear: LinearKernel | None = None
 
     def reset_rotary(self, device: torch.device, max_positions: int) -> None:
         """Rebuild the cos/sin tables on `device` (after construction on the meta device)."""
@@ -246,7 +247,7 @@ class DecoderLM(nn.Module):
             if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
                 module.ops = ops
 
-    def use_packed_linear(self, kernel: PackedLinearKernel) -> None:
+    def use_packed_linear(self, kernel: LinearKernel) -> None:
         """Pack every projection's weight, the LM head's too, for the packed CPU GEMM; one-way
         (a tied LM head keeps the embedding and gets a packed copy)."""
         for module in self.modules():
