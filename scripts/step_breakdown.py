@@ -9,8 +9,11 @@ tensor glue), plus the runner's input preparation. Each part's floor is its FLOP
 GEMM peak measured here (a 512 x 576 x 3072 GEMM in the model's dtype, best of several) or its
 bytes over the measured memory bandwidth (a large copy), whichever is larger.
 
+`--linear` runs the projections through a given GEMM instead of the one the loader's timing
+picks (`auto`): oneDNN's packed one, our blocked fp32 one, or PyTorch's `F.linear`.
+
     .venv/bin/python scripts/step_breakdown.py --batch 1,16,64 --context 480 --prefill 4 \
-        --prompt-len 512 [--dtype float32] [--json out.json]
+        --prompt-len 512 [--dtype float32] [--linear auto] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from bulletserve import LLM
 from bulletserve.engine.runner import SeqWork
 from bulletserve.model import attention as attention_module
 from bulletserve.model import decoder as decoder_module
-from bulletserve.model.cpu_kernels import FusedOps
+from bulletserve.model import loader as loader_module
+from bulletserve.model.cpu_kernels import FusedOps, blocked_linear_kernel, onednn_linear_kernel
 
 
 class Timers:
@@ -200,16 +204,26 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the breakdown here")
+    parser.add_argument(
+        "--linear", choices=["auto", "onednn", "blocked", "pytorch"], default="auto"
+    )
     args = parser.parse_args()
 
+    if args.linear != "auto":
+        forced = {"onednn": onednn_linear_kernel, "blocked": blocked_linear_kernel}.get(args.linear)
+        loader_module.packed_linear_kernel = lambda dtype, device, _weights: (
+            forced(dtype, device) if forced else None
+        )
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=2048)
     timers = Timers()
     instrument(llm, timers)
     peaks = measure_peaks(llm.engine.dtype)
+    linear = llm.engine.model.packed_linear
     print(
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"{llm.engine.dtype}: GEMM peak {peaks[0] / 1e9:.0f} GFLOP/s, "
-        f"copy {peaks[1] / 1e9:.1f} GB/s"
+        f"copy {peaks[1] / 1e9:.1f} GB/s; projections through "
+        f"{'F.linear' if linear is None else type(linear).__name__}"
     )
     vocab = llm.engine.model_config.vocab_size
     results = {"dtype": str(llm.engine.dtype), "peaks": peaks, "steps": {}}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulletserve.model import cpu_kernels
+from bulletserve.model import attention, cpu_kernels
 from bulletserve.model.cpu_kernels import (
     blocked_linear_kernel,
     decode_attention_kernel,
@@ -144,6 +144,22 @@ def test_prefill_attention_matches_reference(dtype, heads, kv_heads, head_dim, t
         )
         assert torch.isfinite(out[rows]).all()
         assert torch.allclose(out[rows].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_timed_against_sdpa_once_per_shape(dtype, monkeypatch):
+    """The runner keeps our prefill kernel only where it outruns SDPA; the timing runs both
+    paths of paged_attention once per shape and thread count, then answers from its record."""
+    kernel = prefill_attention_kernel(dtype, 32, 2, torch.device("cpu"))
+    if kernel is None:
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setattr(attention, "_outruns_sdpa", {})
+    monkeypatch.setattr(attention, "TIMED_PROMPT_TOKENS", 32)
+    first = attention.prefill_kernel_outruns_sdpa(kernel, 4, 2, 32, dtype, repeats=1)
+    assert isinstance(first, bool)
+    assert list(attention._outruns_sdpa.values()) == [first]
+    monkeypatch.setattr(attention, "paged_attention", None)  # a second timing would fail
+    assert attention.prefill_kernel_outruns_sdpa(kernel, 4, 2, 32, dtype) is first
 
 
 def test_unusable_shapes_fall_back():

@@ -8,7 +8,11 @@ import torch
 from bulletserve.engine.runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model import loader
-from bulletserve.model.cpu_kernels import blocked_linear_kernel, onednn_linear_kernel
+from bulletserve.model.cpu_kernels import (
+    blocked_linear_kernel,
+    onednn_linear_kernel,
+    prefill_attention_kernel,
+)
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from tests.tiny_models import make_hf_model
@@ -68,15 +72,20 @@ def test_single_prompt_logits_match(pair):
 def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_path):
     """A fresh prefill, a chunk after a cached prefix, and decodes, all in one step; through our
     CPU kernels (prefill and decode attention, fused norms, RoPE, SiLU, packed projections by
-    oneDNN or our blocked GEMM, forced on whatever the load-time timing chose) and through
+    oneDNN or our blocked GEMM, forced on whatever the load-time timings chose) and through
     PyTorch ops alone."""
     reference, runner = pair
     getter = {"ours-onednn": onednn_linear_kernel, "ours-blocked": blocked_linear_kernel}
     ours = kernels in getter
-    linear = getter[kernels](torch.float32, torch.device("cpu")) if ours else None
+    cpu = torch.device("cpu")
+    linear = getter[kernels](torch.float32, cpu) if ours else None
+    config = runner.model.config
+    prefill_kernel = prefill_attention_kernel(
+        torch.float32, config.head_dim, config.num_heads // config.num_kv_heads, cpu
+    )
     if ours and (
         runner.decode_kernel is None
-        or runner.prefill_kernel is None
+        or prefill_kernel is None
         or runner.model.norm.ops is None
         or linear is None
     ):
@@ -85,7 +94,9 @@ def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_p
     monkeypatch.setattr(loader, "packed_linear_kernel", lambda *_: linear)
     model = load_model(resolve_model(str(tmp_path)), torch.float32, torch.device("cpu"), 512)
     assert (model.packed_linear is not None) == ours
-    runner = ModelRunner(model, runner.pool, torch.device("cpu"))
+    runner = ModelRunner(model, runner.pool, cpu)
+    if ours:  # forced on, whatever the load-time timing against SDPA chose
+        runner.prefill_kernel = prefill_kernel
     if kernels == "pytorch":
         runner.decode_kernel = runner.prefill_kernel = runner.kv_writer = None
         runner.model.use_fused_ops(None)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from bulletserve.kv.pool import KVPool
-from bulletserve.model.attention import AttentionMetadata, PrefillSpan
+from bulletserve.model.attention import AttentionMetadata, PrefillSpan, prefill_kernel_outruns_sdpa
 from bulletserve.model.cpu_kernels import (
     decode_attention_kernel,
     fused_ops,
@@ -89,9 +89,12 @@ class ModelRunner:
         config = model.config
         group = config.num_heads // config.num_kv_heads
         self.decode_kernel = decode_attention_kernel(pool.kv.dtype, config.head_dim, group, device)
-        self.prefill_kernel = prefill_attention_kernel(
-            pool.kv.dtype, config.head_dim, group, device
-        )
+        kernel = prefill_attention_kernel(pool.kv.dtype, config.head_dim, group, device)
+        if kernel is not None and not prefill_kernel_outruns_sdpa(
+            kernel, config.num_heads, config.num_kv_heads, config.head_dim, pool.kv.dtype
+        ):
+            kernel = None
+        self.prefill_kernel = kernel
         self.kv_writer = fused_ops(pool.kv.dtype, device)
         # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine under
         # --cuda-graphs; typed loosely here because that module builds on this one.

@@ -19,9 +19,11 @@ static inline float bf16_load(uint16_t x) {
 static inline uint16_t bf16_store(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(v.u >> 16);
+    /* Branch-free, so that loops storing bf16 vectorize: NaN stays a (quiet) NaN, others round
+     * to nearest even. */
+    const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (v.u >> 16) | 0x40u;
+    return (uint16_t)((v.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline float f32_load(float x) { return x; }
