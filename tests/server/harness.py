@@ -42,12 +42,17 @@ def tiny_engine(**config: object) -> AsyncEngine:
 
 
 @contextmanager
-def running_app(engine: AsyncEngine, **settings: object) -> Iterator[str]:
+def running_app(
+    engine: AsyncEngine, header_timeout_s: float | None = None, **settings: object
+) -> Iterator[str]:
     """Serve `engine` on a free loopback port from a thread; yields the base URL."""
     settings.setdefault("served_model_name", "tiny")
     app = build_app(engine, ServerSettings(**settings))
     port = free_port()
-    server = make_server(app, "127.0.0.1", port, shutdown_timeout=5, log_level="warning")
+    timeouts = {} if header_timeout_s is None else {"header_timeout_s": header_timeout_s}
+    server = make_server(
+        app, "127.0.0.1", port, shutdown_timeout=5, log_level="warning", **timeouts
+    )
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -81,8 +81,14 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
     )
+    app = build_app(engine, settings)
     server = make_server(
-        build_app(engine, settings), args.host, args.port, args.shutdown_timeout, args.log_level
+        app,
+        args.host,
+        args.port,
+        args.shutdown_timeout,
+        args.log_level,
+        end_requests=app.state.end_requests,
     )
     try:
         server.run()

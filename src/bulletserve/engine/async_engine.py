@@ -27,6 +27,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread hit a fault; the request cannot complete."""
 
 
+class StreamEndedError(RuntimeError):
+    """The server ended the request's stream before the request finished (its shutdown)."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -107,6 +111,14 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort_request(request_id)
                 self._wake.set()
+
+    def end_streams(self, message: str) -> None:
+        """End every open stream with StreamEndedError(message), which aborts its request.
+        Called on the event loop the streams were opened on."""
+        with self._streams_lock:
+            queues = [stream.queue for stream in self._streams.values()]
+        for queue in queues:
+            queue.put_nowait(StreamEndedError(message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()

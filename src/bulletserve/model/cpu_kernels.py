@@ -27,7 +27,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -47,10 +46,6 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 LANES = 16
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-if platform.machine() in ("x86_64", "AMD64"):
-    # GCC auto-vectorizes in 256-bit vectors even where AVX-512 exists; in 512-bit ones the
-    # element-wise ops ran 1.3-1.6x faster on two Sapphire Rapids cores (ignored without it).
-    _FLAGS.append("-mprefer-vector-width=512")
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _lock = threading.Lock()
 _libraries: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}

@@ -68,6 +68,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": bulletserve.__version__})
 
+    # What the server runs at its shutdown timeout: end every open stream (launch.make_server).
+    app.state.end_requests = lambda: engine.end_streams(
+        "the server shut down before the request finished"
+    )
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

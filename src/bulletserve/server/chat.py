@@ -28,18 +28,22 @@ class ChatServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+    async def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         """The conversation through the chat template, ending with the assistant's turn."""
         if not messages:
             raise APIError(400, "messages must hold at least one message", "messages")
-        tokenizer = self.serving.tokenizer
-        if not tokenizer.chat_template:
+        if not self.serving.tokenizer.chat_template:
             raise APIError(400, "this model's tokenizer has no chat template", "messages")
+        conversation = [m.as_template_input() for m in messages]
+        chars = sum(len(m["content"]) for m in conversation)
+        self.serving.check_prompt_chars(chars, "messages")
+        return await self.serving.off_loop(chars, self._render, conversation)
+
+    def _render(self, conversation: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.serving.tokenizer
         try:
             text = tokenizer.apply_chat_template(
-                [m.as_template_input() for m in messages],
-                tokenize=False,
-                add_generation_prompt=True,
+                conversation, tokenize=False, add_generation_prompt=True
             )
         except jinja2.TemplateError as exc:
             raise APIError(
@@ -49,13 +53,17 @@ class ChatServing:
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving
-        serving.admit(body)
-        prompt_ids = self.prompt_ids(body.messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = serving.sampling_params(body, prompt_ids, max_tokens, num_logprobs)
+        admission = serving.admit(body)
+        try:
+            prompt_ids = await self.prompt_ids(body.messages)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            params = serving.sampling_params(body, prompt_ids, max_tokens, num_logprobs)
+        except BaseException:
+            admission.release()
+            raise
         request_id = new_request_id("chatcmpl")
-        outputs = serving.outputs(prompt_ids, params, request_id)
+        outputs = serving.outputs(prompt_ids, params, request_id, admission)
         if body.stream:
             events = _ChatEvents(self, request_id, body.include_usage)
             return StreamingResponse(

@@ -21,7 +21,7 @@ class CompletionServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    def prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+    async def prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
         """One prompt as token ids: the tokenizer's default encoding, as the engine does it."""
         if isinstance(prompt, list):
             if len(prompt) != 1 and (not prompt or not isinstance(prompt[0], int)):
@@ -31,15 +31,22 @@ class CompletionServing:
                 )  # fmt: skip
             if not isinstance(prompt[0], int):
                 prompt = prompt[0]
-        return self.serving.engine.tokenize(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        self.serving.check_prompt_chars(len(prompt), "prompt")
+        return await self.serving.off_loop(len(prompt), self.serving.engine.tokenize, prompt)
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         serving = self.serving
-        serving.admit(body)
-        prompt_ids = self.prompt_ids(body.prompt)
-        params = serving.sampling_params(body, prompt_ids, body.max_tokens, body.logprobs)
+        admission = serving.admit(body)
+        try:
+            prompt_ids = await self.prompt_ids(body.prompt)
+            params = serving.sampling_params(body, prompt_ids, body.max_tokens, body.logprobs)
+        except BaseException:
+            admission.release()
+            raise
         request_id = new_request_id("cmpl")
-        outputs = serving.outputs(prompt_ids, params, request_id)
+        outputs = serving.outputs(prompt_ids, params, request_id, admission)
         if body.stream:
             events = _CompletionEvents(self, request_id, body.include_usage)
             return StreamingResponse(

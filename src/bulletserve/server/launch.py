@@ -1,16 +1,20 @@
 """Running the app under uvicorn, with a graceful shutdown that exits cleanly.
 
-On SIGINT or SIGTERM uvicorn stops accepting connections, lets in-flight requests finish for
-up to `shutdown_timeout` seconds, then cancels the rest (which aborts them in the engine). Unlike
+On SIGINT or SIGTERM uvicorn stops accepting connections and lets in-flight requests finish for
+up to `shutdown_timeout` seconds. Shortly before that deadline the server ends what is left
+itself (`end_requests`: a 503, or a stream's error event and `[DONE]`, each aborting its
+request), because uvicorn would then cancel the tasks, cutting streams mid-body. Unlike
 uvicorn's own handling, the signal is not re-raised afterwards, so the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
@@ -20,7 +24,89 @@ from fastapi import FastAPI
 KEEP_ALIVE_S = 75
 
 
+# A connection whose request headers have not all come this many seconds after its first byte
+# (or after it opened) is closed: uvicorn itself times out only idle keep-alive connections, so
+# a client sending part of a header could hold a connection open for ever.
+HEADER_TIMEOUT_S = 30.0
+
+
+class _HeaderDeadline:
+    """Mixed into uvicorn's HTTP protocol (h11 or httptools, the class uvicorn would pick)."""
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def _awaiting_headers(self) -> bool:
+        cycle = self.cycle
+        return cycle is None or cycle.response_complete
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_overdue)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_overdue(self) -> None:
+        self._header_timer = None
+        if self._awaiting_headers() and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and self._awaiting_headers():
+            self._arm_header_timer()
+        super().data_received(data)
+        if not self._awaiting_headers():
+            self._disarm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+
+def _http_protocol(header_timeout_s: float) -> type:
+    """uvicorn's HTTP protocol class (httptools where installed, as uvicorn picks it, else h11)
+    with the header deadline."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return type(f"{base.__name__}WithHeaderDeadline", (_HeaderDeadline, base), {
+        "header_timeout_s": header_timeout_s
+    })  # fmt: skip
+
+
+# How long before the shutdown timeout the server ends the requests left (at most half of it):
+# time for their last events to reach the clients.
+END_REQUESTS_LEAD_S = 1.0
+
+
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, end_requests: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._end_requests = end_requests
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ending = None
+        if self._end_requests is not None:
+            ending = asyncio.create_task(self._end_requests_before_the_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if ending is not None:
+                ending.cancel()
+
+    async def _end_requests_before_the_deadline(self) -> None:
+        timeout = self.config.timeout_graceful_shutdown or 0.0
+        await asyncio.sleep(max(timeout - END_REQUESTS_LEAD_S, timeout / 2))
+        if self.server_state.tasks:
+            self._end_requests()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
@@ -36,15 +122,24 @@ class _Server(uvicorn.Server):
 
 
 def make_server(
-    app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str = "info"
+    app: FastAPI,
+    host: str,
+    port: int,
+    shutdown_timeout: float,
+    log_level: str = "info",
+    end_requests: Callable[[], None] | None = None,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
 ) -> uvicorn.Server:
+    """uvicorn serving `app`; `end_requests` ends the requests still open shortly before the
+    shutdown timeout (see the module's note)."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=_http_protocol(header_timeout_s),
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=shutdown_timeout,
         log_level=log_level,
         access_log=False,
     )
-    return _Server(config)
+    return _Server(config, end_requests)

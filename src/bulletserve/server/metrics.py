@@ -1,4 +1,5 @@
-"""Prometheus metrics, named like vLLM's with a `bullet:` prefix.
+"""Prometheus metrics, named like vLLM's with a `bullet:` prefix; those vLLM has are also
+exported under its own `vllm:` names, so that dashboards built for vLLM work unchanged.
 
 Latency histograms are observed when a request finishes; the queue, KV-cache and preemption
 figures are read from the engine at scrape time. Each server has its own registry.
@@ -83,6 +84,36 @@ class _EngineCollector(Collector):
             yield error
 
 
+# Our metrics that vLLM exports too, under the same name with its `vllm:` prefix.
+VLLM_NAMES = frozenset(
+    {
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
+        "time_to_first_token_seconds", "time_per_output_token_seconds",
+        "e2e_request_latency_seconds", "request_queue_time_seconds", "prompt_tokens",
+        "generation_tokens", "request_success",
+    }
+)  # fmt: skip
+
+
+class _VLLMAliases(Collector):
+    """Every metric of `registry` that vLLM has, again under vLLM's name."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            bare = metric.name.removeprefix("bullet:")
+            if bare not in VLLM_NAMES:
+                continue
+            alias = Metric(f"vllm:{bare}", metric.documentation, metric.type)
+            alias.samples = [
+                sample._replace(name="vllm:" + sample.name.removeprefix("bullet:"))
+                for sample in metric.samples
+            ]
+            yield alias
+
+
 class ServerMetrics:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -143,4 +174,6 @@ class ServerMetrics:
                     self.tpot.observe(decode_time / (len(output.token_ids) - 1))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        aliases = CollectorRegistry()
+        aliases.register(_VLLMAliases(self.registry))
+        return generate_latest(self.registry) + generate_latest(aliases)

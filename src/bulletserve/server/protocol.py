@@ -14,7 +14,8 @@ SEED_RANGE = {"ge": -(2**63), "le": 2**64 - 1}  # what torch.Generator.manual_se
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict, as OpenAI's API is: "10" is not a number, "yes" not a boolean.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
@@ -56,7 +57,7 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
