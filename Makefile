@@ -29,8 +29,8 @@ serve: $(STAMP)
 	$(BIN)/bullet serve --host 127.0.0.1 --port 8000
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 
 test: lint
 	$(BIN)/pytest -q -x --durations=15

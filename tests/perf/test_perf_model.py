@@ -215,7 +215,7 @@ def test_gpu_steps_script_predicts_each_measured_step_of_the_device_check():
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    steps = json.loads((root / "docs/data/h200-check/device_check.json").read_text())["steps"]
+    steps = json.loads((root / "tests/fixtures/h200-device-check.json").read_text())["steps"]
     perf = PerfModel(get_preset("llama-3.1-8b"), load_hardware("h200"), "bfloat16")
     rows = script.rows(steps, perf, 2048, 32, 1024)
     assert len(rows) == 4 * len(steps)

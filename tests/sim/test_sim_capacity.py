@@ -17,7 +17,8 @@ from bulletserve.sim.capacity import (
     walk,
 )
 
-CPU_PROFILE = Path(__file__).parents[2] / "docs" / "data" / "cpu-profile-2026-11-30r.json"
+# The profile of a 2-vCPU AMD Zen 3 guest in fp32 (docs/simulation.md, its CPU capacity grid).
+CPU_PROFILE = Path(__file__).parents[1] / "fixtures" / "cpu-profile-zen3-fp32.json"
 
 
 def test_capacity_is_the_last_rate_of_an_unbroken_run_at_the_target():

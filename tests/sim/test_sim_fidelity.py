@@ -15,6 +15,7 @@ from bulletserve.perf.hardware import load_preset
 from bulletserve.sim.runner import SimConfig, simulate
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "sim_fidelity.py"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def _script():
@@ -118,7 +119,7 @@ def test_policy_from_label():
 
 
 def test_what_if_profile_scales_every_alpha_and_sets_the_overhead():
-    source = Path(__file__).parents[2] / "docs" / "data" / "cpu-profile.json"
+    source = FIXTURES / "cpu-profile.json"
     original = json.loads(source.read_text())
     path = Path(_script().what_if_profile(str(source), 1.5, 6.0))
     scaled = json.loads(path.read_text())
@@ -138,9 +139,8 @@ def test_isolated_table_sets_each_request_beside_its_lone_prefill(capsys):
     from bulletserve.perf.model import PerfModel
     from bulletserve.perf.state import ExecutionState
 
-    docs = Path(__file__).parents[2] / "docs" / "data"
-    isolated = docs / "bench-cpu-3" / "isolated.json"
-    profile = str(docs / "cpu-profile.json")
+    isolated = FIXTURES / "bench-cpu-3-isolated.json"
+    profile = str(FIXTURES / "cpu-profile.json")
     _script().isolated_table(isolated, profile, "smollm2-135m", "bfloat16")
     rows = [line for line in capsys.readouterr().out.splitlines() if line[:3] == "| 1"]
     data = json.loads(isolated.read_text())

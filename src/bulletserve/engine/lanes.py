@@ -325,7 +325,7 @@ class LanedEngine(LLMEngine):
         other lane's step holds every unit nothing can start before that step ends, which
         notifies; a lane that planned every few ms meanwhile would take the GIL and a core from
         the compute threads (0.5 ms of Python every 5 ms on another thread slowed a 2-thread
-        decode step 7-9%: `scripts/poll_cost.py`)."""
+        decode step 7-9%: `git show 23ed970:scripts/poll_cost.py`)."""
         other = "decode" if lane == "prefill" else "prefill"
         blocked = self.policy.partition != "none" and self._computing[other] >= self.units.total
         poll = self._has_work(lane) and not blocked

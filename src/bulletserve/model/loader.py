@@ -34,7 +34,7 @@ def cpu_has_native_bf16() -> bool:
     AVX2-only x86 such as AMD Zen 3), PyTorch's bf16 GEMMs take a slow path: on 2 Zen 3 vCPUs
     the default model's 576 -> 1536 linear layer on 256 rows ran at 16 GFLOP/s in bf16 against
     106 in fp32, and its 100-token prefill took 1.57 s against 0.30 s
-    (scripts/cpu_dtype_speed.py)."""
+    (`git show 23ed970:scripts/cpu_dtype_speed.py`)."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 

@@ -53,7 +53,8 @@ class TeamThread:
     GNU OpenMP keeps a pool of workers for each thread that has led a parallel region; once it
     manages more threads than there are cores it cuts their spin-wait short, and every parallel
     op then pays a futex wake-up. A SmolLM2 decode step on 2 threads took 1.16-1.30x as long
-    beside an idle thread that had led a team of its own (`scripts/omp_two_teams.py --decode`;
+    beside an idle thread that had led a team of its own (`--decode` of
+    `git show 23ed970:scripts/omp_two_teams.py`;
     bullet's decode lane against the single-lane engine: 1.14-1.29x): two lane threads each
     leading a team cost that much on every step."""
 

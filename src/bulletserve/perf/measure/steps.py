@@ -156,9 +156,9 @@ class StepBench:
         machine, which lasts seconds, then costs one round of several states, not every round
         of one state or every state of one kind. The median, not the fastest round: served
         steps run at the machine's typical speed, and the fastest of three flattered a step by
-        4-19% (`scripts/profile_rounds.py`), which the simulator then carried into every
-        figure. A co-running round is a `corun` of two steps. Returns one sample per alone
-        state and two (prefill, decode) per co-running one."""
+        4-19% (`git show 23ed970:scripts/profile_rounds.py`), which the simulator then carried
+        into every figure. A co-running round is a `corun` of two steps. Returns one sample per
+        alone state and two (prefill, decode) per co-running one."""
         rounds: list[list[list[float]]] = [[[], []] for _ in states]
         for round_ in range(repeats + 1):
             for i, es in enumerate(states):
