@@ -14,7 +14,7 @@ import torch
 from bulletserve import LLM, SamplingParams
 from bulletserve.partition.cpu import use_one_thread
 from bulletserve.perf.state import ExecutionState
-from bulletserve.sched.bullet import SPLIT_RULES, Split, parse_partition
+from bulletserve.sched.bullet import RULE_NAMES, Split, parse_partition
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -61,7 +61,7 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
         assert record["measured_s"] > 0 and record["predicted_s"] > 0
         assert 0 < record["runner_s"] <= record["measured_s"]  # the model's time within the step
         assert len(record["split"]) == 2
-        assert record["rule"] in SPLIT_RULES
+        assert record["rule"] in RULE_NAMES
         es = ExecutionState.from_json(record["state"])
         if record["lane"] == "decode":
             assert es.decode_batch == record["batch_size"]
@@ -81,7 +81,7 @@ def test_decode_rows_ride_in_a_prefill_step_on_a_cpu_where_co_running_is_zero_su
     tiny_llama_dir, tmp_path, chunks
 ):
     """Prompts that arrive while others decode, on a CPU profile whose threads split compute and
-    bandwidth evenly: a prefill step carries the decode rows (`cpu-fused`), and every request
+    bandwidth evenly: a prefill step carries the decode rows (`fused`), and every request
     gets prefill-first's greedy tokens; requests aborted meanwhile free their blocks.
 
     With long prompts and a TPOT SLO that a fused step of a whole one would not fit, they ride
@@ -139,7 +139,7 @@ def test_decode_rows_ride_in_a_prefill_step_on_a_cpu_where_co_running_is_zero_su
     finally:
         engine.close()
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    fused = [r for r in records if r["rule"] == "cpu-fused" and r["lane"] == "prefill"]
+    fused = [r for r in records if r["rule"] == "fused" and r["lane"] == "prefill"]
     assert fused and all(r["fused_decode"] > 0 for r in fused)
     continued = 0
     for record in fused:
@@ -274,9 +274,10 @@ def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
 
 def test_partition_flag_parsing():
     assert parse_partition("auto", 2) == ("auto", None)
-    assert parse_partition("static:1/1", 2) == ("static", Split(1, 1))
-    with pytest.raises(ValueError, match="exceeds"):
-        parse_partition("static:2/1", 2)
+    assert parse_partition("static:1/1", 2) == ("static", Split(1, 1, "static"))
+    for uncovered in ("static:2/1", "static:1/0"):  # decode runs on what prefill leaves
+        with pytest.raises(ValueError, match="must equal the device's 2 units"):
+            parse_partition(uncovered, 2)
     with pytest.raises(ValueError, match="static:P/D"):
         parse_partition("static:x", 2)
 

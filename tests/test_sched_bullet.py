@@ -14,8 +14,9 @@ from bulletserve.perf.hardware import load_preset
 from bulletserve.perf.model import PerfModel
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.bullet import (
-    CHUNK_GRANULE,
-    SPLIT_RULES,
+    RULE_NAMES,
+    RULES,
+    BulletParams,
     BulletPolicy,
     BulletSnapshot,
     LatencyStats,
@@ -38,6 +39,7 @@ CPU = dataclasses.replace(
     gemm_tile=None,
 )
 BLOCK = 16
+CHUNK_GRANULE = BulletParams().chunk_granule
 
 
 def make_policy(
@@ -103,15 +105,15 @@ def snapshots(draw, hw) -> BulletSnapshot:
         max_num_seqs=draw(st.integers(len(decoding) + 1, 64)),
         max_prefill_tokens=draw(st.integers(1, 16384)),
         stats=LatencyStats(ttft, tpot),
-        split=Split(hw.units - current, current),
+        split=Split(hw.units - current, current, "decode-fewest"),
     )
 
 
 def check_split(policy: BulletPolicy, split: Split) -> None:
     units = policy.units
     assert units.is_valid(split.prefill) and units.is_valid(split.decode)
-    assert split.prefill + split.decode <= units.total
-    assert split.rule in SPLIT_RULES
+    assert split.prefill + split.decode <= units.total or split.rule == "none"
+    assert split.rule in RULE_NAMES
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -137,28 +139,32 @@ def test_plans_are_valid(name):
                 assert need <= snap.free_blocks
                 assert len(admitted) + len(snap.decoding) <= snap.max_num_seqs
                 # An at-risk request is never passed over by one that is not at risk.
-                risky = [s for s in snap.waiting if policy.at_risk(s, snap.now)]
+                risky = [s for s in snap.waiting if policy.estimator().at_risk(s, snap.now)]
                 if risky:
-                    assert any(policy.at_risk(s, snap.now) for s in admitted)
+                    assert any(policy.estimator().at_risk(s, snap.now) for s in admitted)
                     passed = [s for s in risky if s.request_id not in step.admitted]
-                    assert all(policy.at_risk(s, snap.now) for s in admitted) or not passed
+                    assert (
+                        all(policy.estimator().at_risk(s, snap.now) for s in admitted) or not passed
+                    )
         total = policy.units.total
         batch = snap.prefill.requests if snap.prefill else ()
         if step is not None and step.admitted:
             batch = tuple(s for s in snap.waiting if s.request_id in step.admitted)
-        if policy.partition == "auto" and any(policy.at_risk(s, snap.now) for s in batch):
+        if policy.partition == "auto" and any(
+            policy.estimator().at_risk(s, snap.now) for s in batch
+        ):
             # An at-risk prompt is never starved: its lane keeps units whatever TPOT does.
             assert prefill_plan.split.prefill > 0 and decode_plan.split.prefill > 0
         if prefill_plan.prefill is None and snap.decoding:  # nothing can prefill
-            assert prefill_plan.split == decode_plan.split == Split(0, total)
+            assert prefill_plan.split == decode_plan.split == Split(0, total, "no-prefill")
         if not snap.decoding and prefill_plan.prefill is not None:
-            assert prefill_plan.split == decode_plan.split == Split(total, 0)
+            assert prefill_plan.split == decode_plan.split == Split(total, 0, "no-decode")
         if step is not None and step.decode:
             # Decode rows ride only in a step that runs all layers of a pass no step has begun,
             # carrying every decoding request, with KV for the prompts and the rows; a chunk
             # only of a batch's one prompt, short of its rest.
-            fused_rule = "cpu-fused" if policy.perf.hw.kind == "cpu" else "fused"
-            assert prefill_plan.split == Split(total, 0, fused_rule)
+            assert prefill_plan.split.rule in ("fused", "fused-ttft-first")
+            assert (prefill_plan.split.prefill, prefill_plan.split.decode) == (total, 0)
             assert (step.layer_start, step.layer_end) == (0, policy.num_layers)
             in_flight = snap.prefill
             assert in_flight is None or (in_flight.layers_done == 0 and not in_flight.stepping)
@@ -174,7 +180,7 @@ def test_plans_are_valid(name):
             need += sum(-(-s.num_tokens // BLOCK) - s.num_blocks for s in snap.decoding)
             assert need <= snap.free_blocks
         else:
-            assert prefill_plan.split.rule not in ("cpu-fused", "fused")
+            assert prefill_plan.split.rule not in ("fused", "fused-ttft-first")
         scheduled = {s.request_id for s in decode_plan.decode}
         assert scheduled.isdisjoint(decode_plan.preempted)
         assert scheduled | set(decode_plan.preempted) == {s.request_id for s in snap.decoding}
@@ -197,7 +203,7 @@ def test_at_risk_request_goes_first_and_short_ones_otherwise():
         64,
         16384,
         LatencyStats(),
-        Split(0, 132),
+        Split(0, 132, "no-prefill"),
     )
     assert [s.request_id for s in policy.order_waiting(snap)] == ["late", "short", "long"]
     assert policy.plan_prefill(snap).prefill.admitted[0] == "late"
@@ -219,7 +225,16 @@ def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill(
         waiting = (SeqView("w", 99.9, prompt, 0, 0),)
         stats = LatencyStats(1e-3, 0.05)
         snap = BulletSnapshot(
-            100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, Split(66, 66)
+            100.0,
+            waiting,
+            None,
+            decoding,
+            10_000,
+            BLOCK,
+            64,
+            16384,
+            stats,
+            Split(66, 66, "decode-fewest"),
         )
         split = policy.plan_prefill(snap).split
         assert 0 < split.decode < 132 and split.prefill == 132 - split.decode
@@ -247,25 +262,25 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
         total: int, prompt: int, p90_tpot_s: float, waited_s: float = 0.01, p90_ttft: float = 0.5
     ) -> BulletSnapshot:
         waiting = (SeqView("w", 100.0 - waited_s, prompt, 0, 0),)
-        half = Split(total // 2, total // 2)
+        half = Split(total // 2, total // 2, "balance")
         stats = LatencyStats(p90_ttft, p90_tpot_s)
         return BulletSnapshot(100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, half)
 
     zero_sum = make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2), fuse=False)
-    assert not zero_sum.at_risk(SeqView("w", 99.99, 64, 0, 0), 100.0)
-    assert zero_sum.plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0)
-    assert zero_sum.plan_prefill(snap(2, 2000, 0.05)).split == Split(2, 0)
-    assert zero_sum.plan_decode(snap(2, 2000, 0.05)).split == Split(2, 0)
+    assert not zero_sum.estimator().at_risk(SeqView("w", 99.99, 64, 0, 0), 100.0)
+    assert zero_sum.plan_prefill(snap(2, 64, 0.05)).split == Split(2, 0, "turns")
+    assert zero_sum.plan_prefill(snap(2, 2000, 0.05)).split == Split(2, 0, "turns")
+    assert zero_sum.plan_decode(snap(2, 2000, 0.05)).split == Split(2, 0, "turns")
     # TPOT over its SLO, TTFT missing or not: still turns, never the even split (the worst
     # of the three here).
-    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split == Split(2, 0)
-    assert zero_sum.plan_decode(snap(2, 64, 0.2)).split == Split(2, 0)
-    assert zero_sum.plan_decode(snap(2, 64, 0.2, p90_ttft=1.5)).split == Split(2, 0)
-    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split.rule == "cpu-turns"
+    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split == Split(2, 0, "turns")
+    assert zero_sum.plan_decode(snap(2, 64, 0.2)).split == Split(2, 0, "turns")
+    assert zero_sum.plan_decode(snap(2, 64, 0.2, p90_ttft=1.5)).split == Split(2, 0, "turns")
+    assert zero_sum.plan_prefill(snap(2, 64, 0.2)).split.rule == "turns"
     shares = POLICIES["cpu-no-fuse"].plan_prefill(snap(2, 64, 0.05)).split
-    assert shares == Split(1, 1) and shares.rule == "decode-fewest"
+    assert shares == Split(1, 1, "decode-fewest")
     both_missing = POLICIES["cpu-no-fuse"].plan_prefill(snap(2, 64, 0.2, p90_ttft=1.5)).split
-    assert both_missing == Split(1, 1) and both_missing.rule == "balance"
+    assert both_missing == Split(1, 1, "balance")
     assert POLICIES["h100-no-fuse"].plan_prefill(snap(132, 64, 0.05)).split.decode > 0
 
 
@@ -278,7 +293,7 @@ def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
     policy = POLICIES["cpu-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
     ctx = tuple(s.num_tokens for s in decoding) + (1025,)
-    prefill_alone, decode_alone = policy._alone_s((1024,), (), ctx, policy.num_layers)
+    prefill_alone, decode_alone = policy.estimator().alone_s((1024,), (), ctx, policy.num_layers)
     side = policy.perf.predict(
         ExecutionState(prefill_lens=(1024,), prefill_units=1, decode_ctx=ctx, decode_units=1)
     )
@@ -287,9 +302,9 @@ def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
     waiting = (SeqView("w", 100.0, 1024, 0, 0),)
     snap = BulletSnapshot(
         100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, LatencyStats(0.5, 0.05),
-        Split(2, 0),
+        Split(2, 0, "turns"),
     )  # fmt: skip
-    assert policy.plan_prefill(snap).split == Split(1, 1)
+    assert policy.plan_prefill(snap).split == Split(1, 1, "decode-fewest")
 
 
 def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_speed():
@@ -312,12 +327,21 @@ def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_spee
         waiting = (SeqView("w", 100.0 - waited_s, 256, 0, 0),)
         stats = LatencyStats(1.5, 0.2)  # TTFT and TPOT both missing: the lanes would share
         return BulletSnapshot(
-            100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, Split(1, 1)
+            100.0,
+            waiting,
+            None,
+            decoding,
+            10_000,
+            BLOCK,
+            64,
+            16384,
+            stats,
+            Split(1, 1, "decode-fewest"),
         )
 
-    assert not policy.at_risk(snap(waited).waiting[0], 100.0)
-    assert policy.plan_prefill(snap(0.0)).split == Split(1, 1)
-    assert policy.plan_prefill(snap(waited)).split == Split(2, 0)
+    assert not policy.estimator().at_risk(snap(waited).waiting[0], 100.0)
+    assert policy.plan_prefill(snap(0.0)).split == Split(1, 1, "balance")
+    assert policy.plan_prefill(snap(waited)).split == Split(2, 0, "turns")
 
 
 def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work():
@@ -340,41 +364,51 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
         stats = LatencyStats(0.5, 0.05)
         queue = () if prefill else waiting
         return BulletSnapshot(
-            100.0, queue, prefill, decoding, free_blocks, BLOCK, 64, 16384, stats, Split(2, 0)
+            100.0,
+            queue,
+            prefill,
+            decoding,
+            free_blocks,
+            BLOCK,
+            64,
+            16384,
+            stats,
+            Split(2, 0, "turns"),
         )
 
-    prefill_alone, decode_alone = policy._alone_s((64,), (), (321,) * 8, policy.num_layers)
+    prefill_alone, decode_alone = policy.estimator().alone_s(
+        (64,), (), (321,) * 8, policy.num_layers
+    )
     fused, _ = fused_step_state([(64, 0)], [321] * 8, 2)
     fused_s = policy.perf.predict(fused).prefill_s
     assert prefill_alone < fused_s < prefill_alone + decode_alone
-    at_risk = any(policy.at_risk(s, 100.0) for s in waiting)
-    fusion = policy._fusion(snap(), waiting, policy.plan_prefill(snap()).prefill, at_risk)
+    fusion = policy.situation(snap(), waiting, policy.plan_prefill(snap()).prefill, True).fusion
     assert fusion.gain == pytest.approx((prefill_alone + decode_alone) / fused_s)
     assert fusion.seconds == fused_s and fusion.chunk is None and fusion.gain > 1.0
     plan = policy.plan_prefill(snap())
-    assert plan.split == Split(2, 0) and plan.split.rule == "cpu-fused"
+    assert plan.split == Split(2, 0, "fused")
     assert plan.prefill.admitted == ("w",)
     assert [(s.request_id, s.num_tokens) for s in plan.prefill.decode] == [
         (f"d{i}", 1) for i in range(8)
     ]
     decode_plan = policy.plan_decode(snap())
-    assert decode_plan.split.rule == "cpu-fused" and decode_plan.split.decode == 0
+    assert decode_plan.split.rule == "fused" and decode_plan.split.decode == 0
 
     # The prompt's 4 blocks and one block per row: 12. With 11 the prompt waits (the batch
     # keeps a block per decoding request free), so nothing is fused.
-    assert policy.plan_prefill(snap(free_blocks=12)).split.rule == "cpu-fused"
+    assert policy.plan_prefill(snap(free_blocks=12)).split.rule == "fused"
     assert policy.plan_prefill(snap(free_blocks=11)).prefill is None
     for in_flight in (PrefillInFlight(waiting, 0, stepping=True), PrefillInFlight(waiting, 8)):
-        assert policy.plan_decode(snap(prefill=in_flight)).split.rule != "cpu-fused"
+        assert policy.plan_decode(snap(prefill=in_flight)).split.rule != "fused"
     sharing = POLICIES["cpu"].plan_prefill(snap())
-    assert sharing.split == Split(1, 1) and not sharing.prefill.decode
+    assert sharing.split == Split(1, 1, "decode-fewest") and not sharing.prefill.decode
     for other in (
         make_policy(zero_sum, fuse=False),
         make_policy(zero_sum, layers_per_step=8),
-        make_policy(zero_sum, partition="static", static=Split(1, 1)),
+        make_policy(zero_sum, partition="static", static=Split(1, 1, "static")),
     ):
         plan = other.plan_prefill(snap())
-        assert plan.split.rule != "cpu-fused" and not plan.prefill.decode
+        assert plan.split.rule != "fused" and not plan.prefill.decode
 
 
 def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
@@ -393,14 +427,22 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
         waiting = () if prefill else (SeqView("w", 99.99, prompt, 0, 0),)
         stats = LatencyStats(0.5, 0.05)
         return BulletSnapshot(
-            100.0, waiting, prefill, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
+            100.0,
+            waiting,
+            prefill,
+            decoding,
+            100_000,
+            BLOCK,
+            256,
+            16384,
+            stats,
+            Split(66, 66, "decode-fewest"),
         )
 
     short = snap(64)
     plan = policy.plan_prefill(short)
-    at_risk = any(policy.at_risk(s, short.now) for s in short.waiting)
-    fusion = policy._fusion(short, short.waiting, plan.prefill, at_risk)
-    assert plan.split == Split(132, 0) and plan.split.rule == "fused"
+    fusion = policy.situation(short, short.waiting, plan.prefill, True).fusion
+    assert plan.split == Split(132, 0, "fused")
     assert [s.request_id for s in plan.prefill.decode] == [f"d{i}" for i in range(64)]
     assert plan.prefill.chunk is None and plan.prefill.admitted == ("w",)
     assert policy.plan_decode(short).split.rule == "fused"
@@ -411,10 +453,10 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     chunk = plan.prefill.chunk
     assert plan.split.rule == "fused" and plan.prefill.admitted == ("w",)
     assert chunk is not None and chunk % CHUNK_GRANULE == 0 and chunk < 8000
-    assert policy._fused_step(long.waiting, None, (1001,) * 64).seconds > budget
-    assert policy._fused_step(long.waiting, chunk, (1001,) * 64).seconds <= budget
+    assert policy.estimator().fused_step(long.waiting, None, (1001,) * 64).seconds > budget
+    assert policy.estimator().fused_step(long.waiting, chunk, (1001,) * 64).seconds <= budget
     longer = chunk + CHUNK_GRANULE
-    assert policy._fused_step(long.waiting, longer, (1001,) * 64).seconds > budget
+    assert policy.estimator().fused_step(long.waiting, longer, (1001,) * 64).seconds > budget
     # Its rest, in flight between steps, goes on in chunks (nothing new is admitted).
     begun = PrefillInFlight((SeqView("w", 99.99, 8000, chunk, 500),), 0)
     plan = policy.plan_prefill(snap(8000, prefill=begun))
@@ -425,7 +467,10 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     assert policy.plan_decode(snap(8000, prefill=running)).split.rule != "fused"
 
     crowded = snap(8000, rows=128, context=32_000)
-    assert policy._fused_step(crowded.waiting, CHUNK_GRANULE, (32_000,) * 128).seconds > budget
+    assert (
+        policy.estimator().fused_step(crowded.waiting, CHUNK_GRANULE, (32_000,) * 128).seconds
+        > budget
+    )
     plan = policy.plan_prefill(crowded)
     assert plan.split.rule != "fused" and not plan.prefill.decode
     assert POLICIES["h100-no-fuse"].plan_prefill(short).split.rule == "decode-fewest"
@@ -447,21 +492,30 @@ def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_for_late_prompt
             SeqView(f"w{i}", 99.99, n, 0, 0) for i, n in enumerate((200, 400, 400, 400, 400))
         )
         return BulletSnapshot(
-            100.0, waiting, None, decoding, 100_000, BLOCK, 256, 16384, stats, Split(66, 66)
+            100.0,
+            waiting,
+            None,
+            decoding,
+            100_000,
+            BLOCK,
+            256,
+            16384,
+            stats,
+            Split(66, 66, "decode-fewest"),
         )
 
     in_time = snap(LatencyStats(0.5, 0.02))
-    batch = policy._form_batch(in_time)
-    assert len(batch) > 2 and policy._fused_step(batch, None, rows).seconds > budget
+    batch = policy._form_batch(in_time, policy.estimator())
+    assert len(batch) > 2 and policy.estimator().fused_step(batch, None, rows).seconds > budget
     plan = policy.plan_prefill(in_time)
     taken = len(plan.prefill.admitted)
     assert plan.split.rule == "fused" and plan.prefill.chunk is None and taken >= 2
     assert plan.prefill.admitted == tuple(s.request_id for s in batch[:taken])
-    assert policy._fused_step(batch[:taken], None, rows).seconds <= budget
-    assert policy._fused_step(batch[: taken + 1], None, rows).seconds > budget
+    assert policy.estimator().fused_step(batch[:taken], None, rows).seconds <= budget
+    assert policy.estimator().fused_step(batch[: taken + 1], None, rows).seconds > budget
 
     late = policy.plan_prefill(snap(LatencyStats(1.5, 0.02)))
-    assert late.split.rule == "fused-ttft-first" and late.split == Split(132, 0)
+    assert late.split == Split(132, 0, "fused-ttft-first")
     assert late.prefill.admitted == tuple(s.request_id for s in batch)
     assert len(late.prefill.decode) == 64
     assert policy.plan_decode(snap(LatencyStats(1.5, 0.02))).split.rule == "fused-ttft-first"
@@ -479,24 +533,34 @@ def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
         waiting = (SeqView("w", 100.0 - waited_s, 40, 0, 0),)
         stats = LatencyStats(0.5, 0.2)  # recent first tokens in time; TPOT over its 150 ms
         return BulletSnapshot(
-            100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, Split(0, total)
+            100.0,
+            waiting,
+            None,
+            decoding,
+            10_000,
+            BLOCK,
+            64,
+            16384,
+            stats,
+            Split(0, total, "no-prefill"),
         )
 
     for name, total in (("cpu", 2), ("h100-no-fuse", 132)):
         policy = POLICIES[name]
-        assert policy.plan_decode(snap(total, 0.0)).split == Split(0, total)
+        assert policy.plan_decode(snap(total, 0.0)).split == Split(0, total, "decode-grows")
         late = snap(total, 1.0)
-        assert policy.at_risk(late.waiting[0], late.now)
+        assert policy.estimator().at_risk(late.waiting[0], late.now)
         for plan in (policy.plan_prefill(late), policy.plan_decode(late)):
             if name == "cpu":
-                # Beside decode on one thread the prompt would miss its margin: it takes both.
-                assert plan.split == Split(total, 0)
+                # Beside decode on one thread the prompt would miss its margin: it takes both,
+                # with the decode rows in its step.
+                assert plan.split == Split(total, 0, "fused")
             else:
                 assert 0 < plan.split.prefill < total
 
 
 def test_the_window_counts_ttft_at_the_first_token():
-    window = LatencyWindow(Slo(ttft_per_token_s=1e-3, tpot_s=0.1))
+    window = LatencyWindow(Slo(ttft_per_token_s=1e-3, tpot_s=0.1), size=64)
     window.first_token(0.2, 100)  # twice its 100 ms SLO, while the request still decodes
     assert window.stats() == LatencyStats(p90_ttft_over_slo=pytest.approx(2.0))
     window.finished(0.05)
@@ -504,17 +568,17 @@ def test_the_window_counts_ttft_at_the_first_token():
 
 
 def test_static_and_none_partitions():
-    static = make_policy(CPU, partition="static", static=Split(1, 1))
+    static = make_policy(CPU, partition="static", static=Split(1, 1, "static"))
     none = make_policy(CPU, partition="none")
     decoding = (SeqView("d", 0.0, 100, 99, 7),)
     waiting = (SeqView("w", 99.9, 200, 0, 0),)
     snap = BulletSnapshot(
-        100.0, waiting, None, decoding, 100, BLOCK, 8, 2048, LatencyStats(), Split(1, 1)
+        100.0, waiting, None, decoding, 100, BLOCK, 8, 2048, LatencyStats(), Split(1, 1, "static")
     )
-    assert static.plan_prefill(snap).split == Split(1, 1)
-    assert none.plan_prefill(snap).split == Split(2, 2)
+    assert static.plan_prefill(snap).split == Split(1, 1, "static")
+    assert none.plan_prefill(snap).split == Split(2, 2, "none")
     with pytest.raises(ValueError, match="static split"):
-        make_policy(CPU, partition="static", static=Split(2, 1))
+        make_policy(CPU, partition="static", static=Split(2, 1, "static"))
 
 
 def test_ttft_slo_with_a_fixed_part():
@@ -531,10 +595,10 @@ def test_ttft_slo_with_a_fixed_part():
         slo=slo,
     )
     short = SeqView("short", 99.9, 10, 0, 0)
-    assert policy.at_risk(short, 100.0)
-    assert not with_base.at_risk(short, 100.0)
+    assert policy.estimator().at_risk(short, 100.0)
+    assert not with_base.estimator().at_risk(short, 100.0)
     assert slo.ttft_s(10) == pytest.approx(0.53)
-    window = LatencyWindow(slo)
+    window = LatencyWindow(slo, size=64)
     for ttft, tokens in ((0.53, 10), (0.25, 10), (1.1, 200)):
         window.first_token(ttft, tokens)
     assert window.stats().p90_ttft_over_slo == pytest.approx(1.0)
@@ -546,3 +610,106 @@ def test_a_lane_never_runs_on_a_small_remainder():
     assert not space.is_valid(12) and not space.is_valid(20)  # beside 120 and 112
     assert space.is_valid(28) and space.least_remainder == 24
     assert UnitSpace(132, 8, 8).is_valid(12)  # without the floor, as in the simulator
+
+
+def _rule_snapshot(waiting, decoding, stats, waited_s=0.0, seats=64) -> BulletSnapshot:
+    waiting = tuple(dataclasses.replace(s, arrival_time=100.0 - waited_s) for s in waiting)
+    return BulletSnapshot(
+        100.0, waiting, None, decoding, 100_000, BLOCK, seats, 16384, stats, Split(0, 0, "none")
+    )
+
+
+def _decoding(count: int, context: int = 300) -> tuple[SeqView, ...]:
+    blocks = -(-context // BLOCK)
+    return tuple(SeqView(f"d{i}", 0.0, context, context - 1, blocks) for i in range(count))
+
+
+PROMPT = (SeqView("w", 100.0, 256, 0, 0),)
+HOLDING = LatencyStats(0.5, 0.05)  # P90 TTFT within its SLO, P90 TPOT within its 150 ms
+# Each rule, on a policy and a snapshot where it is the first of the table to fire.
+RULE_CASES = {
+    "none": (make_policy(CPU, partition="none"), _rule_snapshot(PROMPT, _decoding(4), HOLDING)),
+    "no-prefill": (POLICIES["h100"], _rule_snapshot((), _decoding(4), HOLDING)),
+    "no-decode": (POLICIES["h100"], _rule_snapshot(PROMPT, (), HOLDING)),
+    "static": (
+        make_policy(CPU, partition="static", static=Split(1, 1, "static")),
+        _rule_snapshot(PROMPT, _decoding(4), HOLDING),
+    ),
+    "fused-ttft-first": (
+        dataclasses.replace(POLICIES["h100"], slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.03)),
+        _rule_snapshot(
+            tuple(SeqView(f"w{i}", 0.0, n, 0, 0) for i, n in enumerate((200, 400, 400, 400))),
+            _decoding(64, 1001),
+            LatencyStats(1.5, 0.02),
+            waited_s=0.01,
+            seats=256,
+        ),
+    ),
+    "fused": (
+        make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2)),
+        _rule_snapshot((SeqView("w", 100.0, 64, 0, 0),), _decoding(8, 321), HOLDING),
+    ),
+    "turns": (
+        make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2), fuse=False),
+        _rule_snapshot(PROMPT, _decoding(4), HOLDING),
+    ),
+    "at-risk-first": (
+        POLICIES["h100-no-fuse"],
+        _rule_snapshot(PROMPT, _decoding(4), HOLDING, waited_s=5.0),
+    ),
+    "balance": (
+        POLICIES["h100-no-fuse"],
+        _rule_snapshot(PROMPT, _decoding(32, 1000), LatencyStats(1.5, 0.3)),
+    ),
+    "decode-fewest": (POLICIES["h100-no-fuse"], _rule_snapshot(PROMPT, _decoding(32), HOLDING)),
+    "decode-grows": (
+        POLICIES["h100-no-fuse"],
+        _rule_snapshot(PROMPT, _decoding(32, 1000), LatencyStats(0.5, 0.3)),
+    ),
+}
+
+
+def test_the_rule_table_is_ordered_named_and_total():
+    assert list(RULE_CASES) == sorted(RULE_CASES, key=RULE_NAMES.index)
+    assert len(set(RULE_NAMES)) == len(RULE_NAMES) == len(RULE_CASES)
+    assert {rule.origin for rule in RULES} <= {"Algorithm 1", "ablation", "extension"}
+    # The last rule fires whatever the situation: here one where no other would.
+    policy, snap = RULE_CASES["decode-grows"]
+    step = policy.plan_prefill(snap).prefill
+    situation = policy.situation(snap, snap.waiting, step, True)
+    assert RULES[-1].decide(situation) is not None
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_each_rule_fires_by_name_in_both_lanes_plans(rule):
+    policy, snap = RULE_CASES[rule]
+    prefill_plan, decode_plan = policy.plan_prefill(snap), policy.plan_decode(snap)
+    assert prefill_plan.split.rule == decode_plan.split.rule == rule
+    assert prefill_plan.split == decode_plan.split
+    check_split(policy, prefill_plan.split)
+    fused = rule in ("fused", "fused-ttft-first")
+    assert bool(prefill_plan.prefill and prefill_plan.prefill.decode) == fused
+
+
+def test_a_table_without_a_rule_is_an_ablation_and_one_without_a_last_rule_fails_loudly():
+    policy, snap = RULE_CASES["fused"]
+    unfused = dataclasses.replace(
+        policy, rules=tuple(r for r in RULES if r.name not in ("fused", "fused-ttft-first"))
+    )
+    plan = unfused.plan_prefill(snap)
+    assert plan.split.rule not in ("fused", "fused-ttft-first") and not plan.prefill.decode
+    truncated = dataclasses.replace(policy, rules=RULES[:3])
+    with pytest.raises(RuntimeError, match="the last must always fire"):
+        truncated.plan_prefill(snap)
+
+
+def test_the_policy_predicts_with_the_snapshot_s_corrections():
+    """The policy reads the performance model's online corrections from its snapshot, not
+    from the model: a snapshot that says decode runs 3x slower than modeled gives decode
+    more units."""
+    from bulletserve.perf.model import Corrections
+
+    policy, snap = RULE_CASES["decode-fewest"]
+    slow = dataclasses.replace(snap, corrections=Corrections(decode=3.0))
+    assert policy.plan_prefill(snap).split.rule == "decode-fewest"
+    assert policy.plan_prefill(slow).split.decode > policy.plan_prefill(snap).split.decode

@@ -134,7 +134,7 @@ def test_online_correction_tracks_drift():
     for _ in range(40):
         model.observe(es, "prefill", truth)
     assert model.predict(es).prefill_s == pytest.approx(truth, rel=0.01)
-    assert model.correction["decode"] == 1.0
+    assert model.corrections.decode == 1.0
     model.observe(es, "prefill", 1e3 * truth)  # an outlier is ignored
     assert model.predict(es).prefill_s == pytest.approx(truth, rel=0.01)
 
@@ -152,8 +152,8 @@ def test_co_running_steps_learn_a_factor_on_top_of_the_drift():
         model.observe(beside, "prefill", beside_truth)
     assert model.predict(alone).prefill_s == pytest.approx(alone_truth, rel=0.01)
     assert model.predict(beside).prefill_s == pytest.approx(beside_truth, rel=0.01)
-    assert model.corun_correction["prefill"] == pytest.approx(1.1, rel=0.01)
-    assert model.corun_correction["decode"] == 1.0
+    assert model.corrections.corun_prefill == pytest.approx(1.1, rel=0.01)
+    assert model.corrections.corun_decode == 1.0
 
 
 def test_idle_lanes_and_missing_units():

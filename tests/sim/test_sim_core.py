@@ -10,7 +10,7 @@ import pytest
 from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.metrics import SLO
 from bulletserve.perf.state import ExecutionState
-from bulletserve.sched.bullet import LATE_FUSED_STEP_LIMIT, SPLIT_RULES, BulletPolicy
+from bulletserve.sched.bullet import RULE_NAMES, BulletParams, BulletPolicy
 from bulletserve.sim.device import Noise
 from bulletserve.sim.hardware import (
     DEVICE_MEMORY,
@@ -165,7 +165,7 @@ def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
     for r in steps:
         assert r["measured_s"] == pytest.approx(r["predicted_s"], rel=1e-9)
         assert r["split"][0] + r["split"][1] <= 108 or r["split"] == [108, 108]
-        assert r["rule"] in SPLIT_RULES
+        assert r["rule"] in RULE_NAMES
         # The split logged is the one the step started under: the lane ran on its share of it
         # (a lane whose share is 0 does not start).
         share = r["split"][0] if r["lane"] == "prefill" else r["split"][1]
@@ -212,20 +212,17 @@ def test_bullet_fuses_decode_rows_into_prefill_steps(tmp_path, device):
             noise=0.0,
             num_gpu_blocks_override=4000,
         )
-        rule = "cpu-fused"
     elif device == "a100":
         config = _config("bullet", num_prompts=40, request_rates=(20.0,), noise=0.0)
-        rule = "fused"
     else:
         config = _config(
             "bullet", dataset="arxiv-sum-like", num_prompts=40, request_rates=(3.0,), noise=0.0
         )
-        rule = "fused"
     perf = setup(config).perf
     path = tmp_path / "steps.jsonl"
     result = simulate(config, step_log=path)
     steps = [json.loads(line) for line in path.read_text().splitlines()]
-    fused = [r for r in steps if r["rule"] in (rule, "fused-ttft-first")]
+    fused = [r for r in steps if r["rule"] in ("fused", "fused-ttft-first")]
     assert fused and all(r["lane"] == "prefill" and r["fused_decode"] > 0 for r in fused)
     for r in fused:
         es = ExecutionState.from_json(r["state"])
@@ -233,7 +230,8 @@ def test_bullet_fuses_decode_rows_into_prefill_steps(tmp_path, device):
         assert es.prefill_lens[-r["fused_decode"] :] == (1,) * r["fused_decode"]
         assert r["measured_s"] == pytest.approx(perf.predict(es).prefill_s, rel=1e-9)
         if r["rule"] == "fused-ttft-first":
-            assert r["measured_s"] <= config.slo.tpot_ms / 1000 * LATE_FUSED_STEP_LIMIT
+            late_limit = BulletParams().late_fused_step_limit
+            assert r["measured_s"] <= config.slo.tpot_ms / 1000 * late_limit
         elif device != "cpu":
             assert r["measured_s"] <= config.slo.tpot_ms / 1000 * 0.8
         start = r["time"] - r["measured_s"]

@@ -34,7 +34,7 @@ class EngineConfig:
     slo_ttft_base_ms: float = 0.0  # a fixed part of the TTFT SLO, beside the per-token part
     slo_tpot_ms: float = 150.0
     prefill_layers_per_step: int | None = None  # None: all layers in one step
-    fuse_decode: bool = True  # a prefill step may carry the decode rows (cpu-fused, fused)
+    fuse_decode: bool = True  # a prefill step may carry the decode rows (the fused rules)
     hardware_profile: str | None = None  # a `bullet profile` JSON; default: measured at start
     step_log: str | None = None  # a JSON line per lane step
 

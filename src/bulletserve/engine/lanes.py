@@ -38,7 +38,6 @@ from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
     BulletPolicy,
     BulletSnapshot,
-    LatencyWindow,
     PrefillInFlight,
     PrefillStep,
     Slo,
@@ -60,7 +59,7 @@ class PrefillBatch:
     computes in passes over the layers, a pass taking every prompt's rest or a chunk of the
     batch's one prompt; the prompts join the decode lane after the pass that completes them.
     Per pass: the device batch, each prompt's tokens in it and in the cache before it, and the
-    decoding requests whose next token rides in its step (`cpu-fused`, `fused`)."""
+    decoding requests whose next token rides in its step (the fused rules)."""
 
     requests: list[Request]
     batch: StepBatch | None = None
@@ -85,10 +84,10 @@ class LanedEngine(LLMEngine):
         self._prefill: PrefillBatch | None = None
         self._busy: set[str] = set()  # requests some lane is computing right now
         self._computing = {"prefill": 0, "decode": 0}  # units each lane's running step holds
-        self.split = Split(0, self.units.total)
+        self.split = Split(0, self.units.total, "no-prefill")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._latency = LatencyWindow(self.policy.slo)
+        self._latency = self.policy.latency_window()
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
         self.lane_error: BaseException | None = None
         # The decode lane samples inside its step, on the step's units and outside the state
@@ -269,6 +268,7 @@ class LanedEngine(LLMEngine):
             max_prefill_tokens=self.config.max_num_batched_tokens,
             stats=self._latency.stats(),
             split=self.split,
+            corrections=self.perf.corrections,
         )
 
     def _release_blocks(self, request: Request) -> None:

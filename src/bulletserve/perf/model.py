@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile
@@ -74,6 +74,24 @@ class StepPrediction:
         return max(self.prefill_s, self.decode_s)
 
 
+@dataclass(frozen=True)
+class Corrections:
+    """The online corrections at one moment: per phase, measured over predicted for steps
+    alone, and a further factor for steps beside the other lane's. A value, so a policy can
+    take them in its snapshot and predict exactly as the engine did when it planned."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+    corun_prefill: float = 1.0
+    corun_decode: float = 1.0
+
+    def factor(self, phase: str, corun: bool) -> float:
+        alone = self.prefill if phase == "prefill" else self.decode
+        if not corun:
+            return alone
+        return alone * (self.corun_prefill if phase == "prefill" else self.corun_decode)
+
+
 class PerfModel:
     """Predicts prefill and decode step times for one model on one device."""
 
@@ -95,8 +113,7 @@ class PerfModel:
             raise ValueError("correction_weight must be in (0, 1]")
         self.cfg, self.hw, self.dtype = cfg, hw, dtype
         self.correction_weight = correction_weight
-        self.correction = dict.fromkeys(PREDICT_PHASES, 1.0)
-        self.corun_correction = dict.fromkeys(PREDICT_PHASES, 1.0)
+        self.corrections = Corrections()
         self._c_peak = hw.peak_flops[dtype]
         self._tile = hw.gemm_tile if hw.kind == "gpu" else None
         # Per scope: (flop coeffs, byte coeffs, fixed bytes, gemm cols, gemm rows index).
@@ -257,16 +274,15 @@ class PerfModel:
         cal = self.hw.calibration
         return cal.host_s_per_step + cal.host_s_per_row * rows
 
-    def predict(self, es: ExecutionState) -> StepPrediction:
-        """Prefill and decode step times of `es` in seconds (0 for an idle lane)."""
+    def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
+        """Prefill and decode step times of `es` in seconds (0 for an idle lane), under
+        `corrections` (None: the model's own, as `observe` last left them)."""
         corun = es.has_prefill and es.has_decode
+        c = self.corrections if corrections is None else corrections
         return StepPrediction(
-            self._phase_time(es, "prefill", corun) * self._correction("prefill", corun),
-            self._phase_time(es, "decode", corun) * self._correction("decode", corun),
+            self._phase_time(es, "prefill", corun) * c.factor("prefill", corun),
+            self._phase_time(es, "decode", corun) * c.factor("decode", corun),
         )
-
-    def _correction(self, phase: str, corun: bool) -> float:
-        return self.correction[phase] * (self.corun_correction[phase] if corun else 1.0)
 
     def observe(self, es: ExecutionState, phase: str, measured_s: float) -> None:
         """Fold one measured step time of `phase` into its running correction: the phase's
@@ -281,9 +297,11 @@ class PerfModel:
         ratio = measured_s / predicted
         if not _RATIO_BAND[0] <= ratio <= _RATIO_BAND[1]:
             return
-        w = self.correction_weight
+        w, c = self.correction_weight, self.corrections
+        alone = c.factor(phase, corun=False)
         if corun:
-            factor = ratio / self.correction[phase]
-            self.corun_correction[phase] = (1 - w) * self.corun_correction[phase] + w * factor
+            key = f"corun_{phase}"
+            updated = (1 - w) * getattr(c, key) + w * ratio / alone
         else:
-            self.correction[phase] = (1 - w) * self.correction[phase] + w * ratio
+            key, updated = phase, (1 - w) * alone + w * ratio
+        self.corrections = replace(c, **{key: updated})

@@ -12,7 +12,7 @@ import random
 
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile
-from bulletserve.perf.model import PerfModel, StepPrediction
+from bulletserve.perf.model import Corrections, PerfModel, StepPrediction
 from bulletserve.perf.state import ExecutionState
 
 
@@ -23,7 +23,9 @@ class CachedPerfModel(PerfModel):
         super().__init__(cfg, hw, dtype)
         self._cache: dict[ExecutionState, StepPrediction] = {}
 
-    def predict(self, es: ExecutionState) -> StepPrediction:
+    def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
+        if corrections is not None and corrections != self.corrections:
+            return super().predict(es, corrections)
         hit = self._cache.get(es)
         if hit is None:
             hit = self._cache[es] = super().predict(es)

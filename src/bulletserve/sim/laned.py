@@ -22,7 +22,6 @@ from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
     BulletPolicy,
     BulletSnapshot,
-    LatencyWindow,
     PrefillInFlight,
     Split,
 )
@@ -56,8 +55,8 @@ class LaneStep:
     host_s: float = 0.0  # the engine's host time in the step, which contention does not stretch
     busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
     state: ExecutionState | None = None  # both lanes when the step started, for the step log
-    # Decoding requests whose next token a prefill step computes too (rules `cpu-fused` and
-    # `fused`), and their contexts when it started.
+    # Decoding requests whose next token a prefill step computes too (the fused rules), and
+    # their contexts when it started.
     fused: list[SimRequest] = field(default_factory=list)
     fused_ctx: tuple[int, ...] = ()
 
@@ -81,8 +80,8 @@ class LanedSimulator:
         self.max_prefill_tokens = max_prefill_tokens
         self.total = policy.units.total
         self.num_layers = policy.num_layers
-        self.split = Split(0, self.total)
-        self.window = LatencyWindow(policy.slo)
+        self.split = Split(0, self.total, "no-prefill")
+        self.window = policy.latency_window()
         self.prefill_batch: list[SimRequest] | None = None
         self.layers_done = 0
         # The prefill batch's current pass: each prompt's tokens in it and cached before it.
@@ -167,6 +166,7 @@ class LanedSimulator:
             max_prefill_tokens=self.max_prefill_tokens,
             stats=self.window.stats(),
             split=self.split,
+            corrections=self.perf.corrections,
         )
 
     def _act(self, lane: str, now: float) -> None:

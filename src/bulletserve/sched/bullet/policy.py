@@ -1,0 +1,200 @@
+"""Bullet's SLO-aware scheduler (Algorithm 1 of arXiv 2504.19516), pure.
+
+Two lanes run at once: a prefill lane (whole prompts, possibly in layer groups or chunks) and a
+decode lane (every decoding request, one token per step). Each lane asks for a plan at the start
+of its step; the plan says what the lane runs and how the device's units are split between the
+lanes (rules.py). Decisions come from the snapshot and the performance model's predictions
+under the snapshot's corrections, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bulletserve.perf.model import Corrections, PerfModel
+from bulletserve.sched.base import PlanBuilder, ScheduledSeq, SchedulerSnapshot, SeqView
+from bulletserve.sched.bullet.estimates import Estimator
+from bulletserve.sched.bullet.params import BulletParams, DeviceTraits
+from bulletserve.sched.bullet.rules import RULES, Rule, Situation, choose, fused_rows
+from bulletserve.sched.bullet.types import (
+    BulletPlan,
+    BulletSnapshot,
+    LatencyWindow,
+    PartitionMode,
+    PrefillStep,
+    Slo,
+    Split,
+    UnitSpace,
+)
+
+
+@dataclass
+class BulletPolicy:
+    """`partition`: "auto" (the rules pick the split), "none" (both lanes get every unit, the
+    paper's naive ablation) or "static" (a fixed split, its fixed-SM ablation). `rules`: the
+    ordered table the split comes from (an ablation passes the table without a rule)."""
+
+    perf: PerfModel
+    units: UnitSpace
+    num_layers: int
+    slo: Slo
+    layers_per_step: int | None = None  # None: a prefill runs all layers in one step
+    partition: PartitionMode = "auto"
+    static_split: Split | None = None
+    # Whether a prefill step may carry the decode rows in its own batch (the fused rules).
+    fuse_decode: bool = True
+    params: BulletParams = field(default_factory=BulletParams)
+    rules: tuple[Rule, ...] = RULES
+    name: str = "bullet"
+
+    def __post_init__(self) -> None:
+        if self.partition not in ("auto", "none", "static"):
+            raise ValueError(f"unknown partition mode {self.partition!r}")
+        if self.partition == "static":
+            split = self.static_split
+            if split is None or not (
+                self.units.is_valid(split.prefill)
+                and self.units.is_valid(split.decode)
+                and split.prefill + split.decode == self.units.total
+                and split.prefill > 0
+                and split.decode > 0
+            ):
+                raise ValueError(
+                    f"static split {split} is not valid for {self.units.total} units "
+                    f"(P + D must equal them; granularity {self.units.granularity}, "
+                    f"minimum {self.units.minimum})"
+                )
+        self.traits = DeviceTraits.of(self.perf.hw)
+        self.saturation_tokens = self.estimator().saturation_tokens()
+
+    def estimator(self, corrections: Corrections = Corrections()) -> Estimator:
+        return Estimator(self.perf, self.units, self.slo, self.params, self.num_layers, corrections)
+
+    def latency_window(self) -> LatencyWindow:
+        """The window of recent latencies that the executor feeds and the snapshot carries."""
+        return LatencyWindow(self.slo, self.params.stats_window)
+
+    # ---- the two lanes' plans ---------------------------------------------------------------
+
+    def plan_prefill(self, snap: BulletSnapshot) -> BulletPlan:
+        """The prefill lane's next step: the next layer group of its batch, or a new batch."""
+        est = self.estimator(snap.corrections)
+        if snap.prefill is not None:
+            batch, admitted, done = snap.prefill.requests, (), snap.prefill.layers_done
+        else:
+            batch = self._form_batch(snap, est)
+            admitted, done = tuple(s.request_id for s in batch), 0
+        step = self._next_step(batch, admitted, done)
+        choice = choose(self.situation(snap, batch, step, bool(snap.decoding), est), self.rules)
+        fusion = choice.fusion
+        if fusion is not None:
+            if admitted:
+                admitted = tuple(s.request_id for s in fusion.prompts)
+            step = PrefillStep(admitted, 0, self.num_layers, fused_rows(snap), fusion.chunk)
+        return BulletPlan(choice.split, prefill=step)
+
+    def plan_decode(self, snap: BulletSnapshot) -> BulletPlan:
+        """The decode lane's next step: every decoding request, preempting the newest when the
+        KV pool runs out."""
+        est = self.estimator(snap.corrections)
+        builder = PlanBuilder(
+            SchedulerSnapshot(
+                now=snap.now,
+                waiting=(),
+                running=snap.decoding,
+                free_blocks=snap.free_blocks,
+                block_size=snap.block_size,
+                max_num_seqs=max(snap.max_num_seqs, len(snap.decoding)),
+                max_num_batched_tokens=len(snap.decoding),
+            ),
+            token_budget=len(snap.decoding),
+        )
+        builder.schedule_running(chunk=False)
+        plan = builder.build()
+        # The split must match what the prefill lane can actually run, or both lanes could
+        # wait on each other (decode paused for a prefill that cannot be admitted).
+        batch = snap.prefill.requests if snap.prefill else self._form_batch(snap, est)
+        done = snap.prefill.layers_done if snap.prefill else 0
+        step = self._next_step(batch, (), done)
+        situation = self.situation(snap, batch, step, bool(plan.scheduled), est)
+        choice = choose(situation, self.rules)
+        return BulletPlan(choice.split, decode=plan.scheduled, preempted=plan.preempted)
+
+    def choose_split(
+        self,
+        snap: BulletSnapshot,
+        prefill_batch: tuple[SeqView, ...],
+        step: PrefillStep | None,
+        decode: tuple[ScheduledSeq, ...] | None = None,
+    ) -> Split:
+        """The split for the prefill lane running `step` of `prefill_batch` beside `decode`
+        (None: every decoding request)."""
+        has_decode = bool(snap.decoding) if decode is None else bool(decode)
+        return choose(self.situation(snap, prefill_batch, step, has_decode), self.rules).split
+
+    def situation(
+        self,
+        snap: BulletSnapshot,
+        batch: tuple[SeqView, ...],
+        step: PrefillStep | None,
+        has_decode: bool,
+        est: Estimator | None = None,
+    ) -> Situation:
+        """What the rules decide from, for a lane about to run `step` of `batch`."""
+        return Situation(
+            snap=snap,
+            batch=batch,
+            step=step,
+            has_decode=has_decode,
+            est=est or self.estimator(snap.corrections),
+            traits=self.traits,
+            partition=self.partition,
+            static_split=self.static_split,
+            fuse_decode=self.fuse_decode,
+        )
+
+    def _next_step(
+        self, batch: tuple[SeqView, ...], admitted: tuple[str, ...], layers_done: int
+    ) -> PrefillStep | None:
+        if not batch:
+            return None
+        group = self.layers_per_step or self.num_layers
+        return PrefillStep(admitted, layers_done, min(self.num_layers, layers_done + group))
+
+    # ---- the prefill batch ------------------------------------------------------------------
+
+    def order_waiting(self, snap: BulletSnapshot, est: Estimator | None = None) -> list[SeqView]:
+        """At-risk requests first (earliest deadline first), then the rest by least predicted
+        latency."""
+        est = est or self.estimator(snap.corrections)
+        at_risk = [s for s in snap.waiting if est.at_risk(s, snap.now)]
+        risky = {s.request_id for s in at_risk}
+        rest = [s for s in snap.waiting if s.request_id not in risky]
+        at_risk.sort(key=lambda s: s.arrival_time + self.slo.ttft_s(s.num_remaining))
+        rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
+        return at_risk + rest
+
+    def _form_batch(self, snap: BulletSnapshot, est: Estimator) -> tuple[SeqView, ...]:
+        """Whole prompts in order while the batch is below the compute-saturation point and
+        fits the token, sequence and KV budgets. No overtaking: the first that does not fit
+        ends the batch, so an at-risk request is never passed over."""
+        batch: list[SeqView] = []
+        tokens = 0
+        free = snap.free_blocks
+        # Keep a block per decoding request free so the decode lane can grow without preempting.
+        reserve = min(len(snap.decoding), free)
+        seats = snap.max_num_seqs - len(snap.decoding)
+        for seq in self.order_waiting(snap, est):
+            need = -(-seq.num_tokens // snap.block_size) - seq.num_blocks
+            if batch and (
+                tokens >= self.saturation_tokens
+                or tokens + seq.num_remaining > snap.max_prefill_tokens
+            ):
+                break
+            if seats <= 0 or need > free - reserve:
+                break
+            batch.append(seq)
+            tokens += seq.num_remaining
+            free -= need
+            seats -= 1
+        return tuple(batch)

@@ -1,0 +1,200 @@
+"""What Bullet's policy sees and decides: the device's units, the SLOs, the snapshot a lane plans
+from, and the plan it gets. Pure data."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from bulletserve.perf.model import Corrections
+from bulletserve.sched.base import ScheduledSeq, SeqView
+
+PartitionMode = Literal["auto", "none", "static"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Units per lane, and the name of the rule that chose them (`rules.RULES`). 0 pauses a
+    lane; with partitioning off both lanes get every unit."""
+
+    prefill: int
+    decode: int
+    rule: str
+
+
+@dataclass(frozen=True)
+class UnitSpace:
+    """The device's compute units: how many, and which counts a lane may get."""
+
+    total: int
+    granularity: int
+    minimum: int
+    # The fewest units a lane may run on when they are what is left beside a carved group
+    # (None: `minimum`); the GPU partitioner sets it (see partition/cuda.py for why).
+    min_remainder: int | None = None
+
+    def counts(self) -> list[int]:
+        """Unit counts a lane may be given as a carved group, ascending."""
+        start = math.ceil(self.minimum / self.granularity) * self.granularity
+        valid = set(range(start, self.total + 1, self.granularity)) | {self.total}
+        return sorted(c for c in valid if c >= self.minimum)
+
+    @property
+    def least_remainder(self) -> int:
+        """Fewest units a lane may run on beside a carved group."""
+        return max(self.minimum, self.min_remainder or 0)
+
+    def is_valid(self, units: int) -> bool:
+        """0 (paused), a carved group, or what is left beside one (e.g. 124 of 132 SMs)."""
+        if units == 0:
+            return True
+        carved = self.counts()
+        return units in carved or (units >= self.least_remainder and self.total - units in carved)
+
+    def round_down(self, units: int) -> int:
+        """The largest carved group of at most `units` (0 if none)."""
+        valid = [c for c in self.counts() if c <= units]
+        return valid[-1] if valid else 0
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A prompt of n tokens should see its first token within ttft_base_s + n *
+    ttft_per_token_s (the paper's SLO has no fixed part), and each later one within tpot_s."""
+
+    ttft_per_token_s: float
+    tpot_s: float
+    ttft_base_s: float = 0.0
+
+    def ttft_s(self, prompt_tokens: int) -> float:
+        return self.ttft_base_s + self.ttft_per_token_s * prompt_tokens
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """P90s over a sliding window of recent requests; None until there is data."""
+
+    p90_ttft_over_slo: float | None = None  # TTFT as a fraction of the request's TTFT SLO
+    p90_tpot_s: float | None = None
+
+
+class LatencyWindow:
+    """P90 TTFT (over each request's own TTFT SLO) over the last `size` first tokens and P90
+    TPOT over the last `size` finished requests; the engine and the simulator feed it the same
+    way. TTFT is counted when the first token comes, not when the request ends: with outputs
+    of hundreds of tokens the window would otherwise report the TTFT of requests that arrived
+    many seconds ago, and a prefill starved since would go unseen."""
+
+    def __init__(self, slo: Slo, size: int) -> None:
+        self.slo = slo
+        self.ttft_over_slo: deque[float] = deque(maxlen=size)
+        self.tpot: deque[float] = deque(maxlen=size)
+
+    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self.ttft_over_slo.append(ttft_s / self.slo.ttft_s(prompt_tokens))
+
+    def finished(self, tpot_s: float | None) -> None:
+        """A request ended; tpot_s is None when it produced a single token."""
+        if tpot_s is not None:
+            self.tpot.append(tpot_s)
+
+    def stats(self) -> LatencyStats:
+        return LatencyStats(_p90(self.ttft_over_slo), _p90(self.tpot))
+
+
+def _p90(values: deque[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def parse_partition(
+    text: str, total_units: int | None = None
+) -> tuple[PartitionMode, Split | None]:
+    """`--partition auto|none|static:P/D` -> (mode, static split). A static split must cover
+    the device (P + D equal to its units), checked when its unit count is known: decode runs on
+    what prefill leaves, so a D below that would be a split the device does not run."""
+    if text == "auto" or text == "none":
+        return text, None
+    try:
+        if not text.startswith("static:"):
+            raise ValueError
+        prefill, decode = (int(x) for x in text.removeprefix("static:").split("/"))
+    except ValueError:
+        raise ValueError(f"--partition must be auto, none or static:P/D, not {text!r}") from None
+    if total_units is not None and prefill + decode != total_units:
+        raise ValueError(
+            f"--partition {text}: P + D must equal the device's {total_units} units "
+            "(decode runs on what prefill leaves)"
+        )
+    return "static", Split(prefill, decode, "static")
+
+
+@dataclass(frozen=True)
+class PrefillInFlight:
+    """The prefill lane's current batch, how many layers of its current pass it has run, and
+    whether a step of it is running now. A batch whose prompt has computed some chunks and has
+    more to go is in flight with `layers_done` 0 between its steps."""
+
+    requests: tuple[SeqView, ...]
+    layers_done: int
+    stepping: bool = False
+
+
+@dataclass(frozen=True)
+class BulletSnapshot:
+    """Everything a lane's plan depends on: the queues, the KV pool, recent latencies, the
+    split in force, and the performance model's online corrections at this moment."""
+
+    now: float
+    waiting: tuple[SeqView, ...]
+    prefill: PrefillInFlight | None
+    decoding: tuple[SeqView, ...]
+    free_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_prefill_tokens: int
+    stats: LatencyStats
+    split: Split  # the split in force
+    corrections: Corrections = Corrections()
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Run layers [layer_start, layer_end) of the batch; `admitted` is non-empty when the step
+    starts a new batch from the waiting queue. `decode` holds the decoding requests whose next
+    token the step computes too, fused into its batch (rules `fused`, `fused-ttft-first`); the
+    decode lane pauses meanwhile. `chunk` is set when the step computes only the next `chunk`
+    tokens of the batch's one prompt (a fused step that would not fit the TPOT budget whole);
+    the prompt stays in the prefill lane until its last chunk."""
+
+    admitted: tuple[str, ...]
+    layer_start: int
+    layer_end: int
+    decode: tuple[ScheduledSeq, ...] = ()
+    chunk: int | None = None
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A fused step the policy could run: its prompts (the batch, its first few, or its first
+    alone), the chunk of that prompt (None: every prompt's rest), its work per second against a
+    prefill step and a decode step one after the other (`gain`), its predicted time, and
+    whether it outlasts the TPOT budget because TTFT misses while TPOT holds (`ttft_first`)."""
+
+    prompts: tuple[SeqView, ...]
+    chunk: int | None
+    gain: float
+    seconds: float
+    ttft_first: bool = False
+
+
+@dataclass(frozen=True)
+class BulletPlan:
+    split: Split
+    prefill: PrefillStep | None = None
+    decode: tuple[ScheduledSeq, ...] = ()
+    preempted: tuple[str, ...] = ()
