@@ -268,3 +268,20 @@ def test_hardware_aliases_and_unknown_memory(tmp_path):
     with pytest.raises(SimSetupError, match="device-memory-gib"):
         setup(_config("chunked", 512, hardware=str(path)))
     assert setup(_config("chunked", 512, hardware=str(path), device_memory_gib=96)).num_blocks > 0
+
+
+def test_the_simulated_gpu_keeps_the_partitioner_s_floor_on_a_remainder(tmp_path):
+    """The simulator's unit space is the engine's: on a GPU no lane runs on fewer SMs than the
+    green-context partitioner allows beside a carved group (partition/limits.py), so a
+    simulated split is one the server could run."""
+    from bulletserve.partition.limits import gpu_min_remainder
+
+    config = _config("bullet", num_prompts=60, request_rates=(30.0,), fuse_decode=False)
+    env = setup(config)
+    policy = make_sim_policy(config, env)
+    assert policy.units.min_remainder == gpu_min_remainder(env.perf.hw.units) == 43
+    path = tmp_path / "steps.jsonl"
+    simulate(config, step_log=path)
+    splits = {tuple(json.loads(line)["split"]) for line in path.read_text().splitlines()}
+    assert any(0 < prefill < policy.units.total for prefill, _ in splits)
+    assert all(policy.units.is_valid(p) and policy.units.is_valid(d) for p, d in splits)

@@ -10,6 +10,7 @@ from typing import TypeVar
 import torch
 
 from bulletserve.partition.errors import UnitsUnavailableError
+from bulletserve.partition.limits import gpu_min_remainder
 
 T = TypeVar("T")
 
@@ -97,13 +98,8 @@ class GreenContextSMs(_GpuUnits):
         self.granularity = self.min_units = 8 if props.major >= 9 else 2
         if props.major < 9:
             self.min_units = 4
-        # Fewest SMs a lane may run on as the remainder beside a carved group (the scheduler's
-        # UnitSpace keeps to it): on an H200, cuBLAS GEMMs failed (CUBLAS_STATUS_EXECUTION_
-        # FAILED) on a prefill on the 12 and 20 SMs left beside 120- and 112-SM groups, while
-        # prefills on remainders of 52 to 124 ran (and a decode on 36); 21-51 were not tried,
-        # so the floor is the smallest that ran a prefill, 2/5 of the device. Carved groups
-        # of 8 SMs and more all ran.
-        self.min_remainder = 2 * self.total // 5
+        # The scheduler's UnitSpace keeps to it (see limits.py for why).
+        self.min_remainder = gpu_min_remainder(self.total)
         self._cu_dev = self._check(driver.cuDeviceGet(device.index or 0))
         self._resource = self._check(
             driver.cuDeviceGetDevResource(

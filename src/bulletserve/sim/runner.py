@@ -14,6 +14,7 @@ from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult
 from bulletserve.model.config import ModelConfig
+from bulletserve.partition.limits import gpu_min_remainder
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy
 from bulletserve.sched.bullet import BulletPolicy, Slo, Split, UnitSpace
@@ -125,7 +126,13 @@ def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
     try:
         return BulletPolicy(
             perf=env.perf,
-            units=UnitSpace(hw.units, hw.unit_granularity, hw.min_units),
+            # The GPU partitioner's floor on a remainder, as the engine's UnitSpace has it.
+            units=UnitSpace(
+                hw.units,
+                hw.unit_granularity,
+                hw.min_units,
+                gpu_min_remainder(hw.units) if hw.kind == "gpu" else None,
+            ),
             num_layers=env.model.num_layers,
             slo=Slo(
                 config.slo.ttft_per_token_ms / 1e3,
