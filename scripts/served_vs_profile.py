@@ -12,10 +12,10 @@ gaps (over 10 s) between its runs, taken in the order the rates ran (ascending).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
+from bulletserve.executor.record import StepRecord, read_step_log
 from bulletserve.model.presets import get_preset
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel
@@ -26,20 +26,21 @@ GAP_S = 10.0
 MIN_STEPS = 100  # the warm-up request's few steps are not a run
 
 
-def runs_of(step_log: Path) -> list[list[dict]]:
+def runs_of(step_log: Path) -> list[list[StepRecord]]:
     """The step log's records split at idle gaps; segments too short to be a run dropped."""
-    steps = sorted(
-        (json.loads(line) for line in step_log.read_text().splitlines()), key=lambda s: s["time"]
-    )
-    segments: list[list[dict]] = [[]]
+    try:
+        steps = sorted(read_step_log(step_log), key=lambda s: s.time)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    segments: list[list[StepRecord]] = [[]]
     for step in steps:
-        if segments[-1] and step["time"] - segments[-1][-1]["time"] > GAP_S:
+        if segments[-1] and step.time - segments[-1][-1].time > GAP_S:
             segments.append([])
         segments[-1].append(step)
     return [s for s in segments if len(s) >= MIN_STEPS]
 
 
-def runs_with_profiles(sweep: Path, label: str) -> list[tuple[float, list[dict], Path]]:
+def runs_with_profiles(sweep: Path, label: str) -> list[tuple[float, list[StepRecord], Path]]:
     """(rate, the run's step-log records, the profile taken before it) for each run of `label`
     in the sweep, rates ascending."""
     log = sweep / f"{label}.steps.jsonl"
@@ -63,13 +64,12 @@ def profile_dtype(hw: HardwareProfile, requested: str | None) -> str:
     return next(iter(hw.peak_flops))
 
 
-def is_full_decode(step: dict, total_units: int) -> bool:
-    rows = step.get("decode_seqs", step["batch_size"])
+def is_full_decode(step: StepRecord, total_units: int) -> bool:
     return (
-        step["lane"] == "decode"
-        and step.get("prefill_tokens", 0) == 0
-        and rows in ROWS
-        and step["split"] in ([0, total_units], [total_units, total_units])
+        step.lane == "decode"
+        and step.prefill_tokens == 0
+        and step.decode_rows in ROWS
+        and step.split in ((0, total_units), (total_units, total_units))
     )
 
 
@@ -88,7 +88,7 @@ def main() -> None:
             continue
         for rate, steps, profile in runs_with_profiles(args.sweep, label):
             hw = HardwareProfile.load(profile)
-            served = [s["measured_s"] * 1e3 for s in steps if is_full_decode(s, hw.units)]
+            served = [s.measured_s * 1e3 for s in steps if is_full_decode(s, hw.units)]
             es = ExecutionState(decode_ctx=(150,) * 12, decode_units=hw.units)
             predicted = PerfModel(cfg, hw, profile_dtype(hw, args.dtype)).predict(es).decode_s * 1e3
             if not served:

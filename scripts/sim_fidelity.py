@@ -45,7 +45,8 @@ from served_vs_profile import runs_of
 
 from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult, load_result
-from bulletserve.perf.model import StepPrediction
+from bulletserve.executor.record import StepRecord
+from bulletserve.perf.model import Corrections, StepPrediction
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import parse_partition
 from bulletserve.sim.device import CachedPerfModel
@@ -149,8 +150,8 @@ class HostTaxedPerfModel(CachedPerfModel):
         super().__init__(perf.cfg, perf.hw, perf.dtype)
         self.per_row_s = per_row_s
 
-    def predict(self, es: ExecutionState) -> StepPrediction:
-        base = super().predict(es)
+    def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
+        base = super().predict(es, corrections)
         return StepPrediction(
             prefill_s=base.prefill_s + self.per_row_s * len(es.prefill_lens),
             decode_s=base.decode_s + self.per_row_s * len(es.decode_ctx),
@@ -175,8 +176,8 @@ class ScaledPerfModel(CachedPerfModel):
         super().__init__(perf.cfg, perf.hw, perf.dtype)
         self.speed = speed
 
-    def predict(self, es: ExecutionState) -> StepPrediction:
-        base = super().predict(es)
+    def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
+        base = super().predict(es, corrections)
         return StepPrediction(
             prefill_s=base.prefill_s * self.speed.factors["prefill"],
             decode_s=base.decode_s * self.speed.factors["decode"],
@@ -194,31 +195,26 @@ class ScaledPerfModel(CachedPerfModel):
 BUSY_GAP_S = 0.1
 
 
-def served_speed(steps: list[dict], perf: CachedPerfModel) -> ServedSpeed:
+def served_speed(steps: list[StepRecord], perf: CachedPerfModel) -> ServedSpeed:
     """A served run's speed from its step-log lines, each re-predicted from its state: per
     phase (a decode step; a prefill, layer group or fused chunked step) the median measured /
     predicted; for a single-lane engine's log, the host's time between busy steps less the
     profile's sampler (which the prediction of a step includes), fitted over the batch."""
     ratios: dict[str, list[float]] = defaultdict(list)
     host_by_rows: dict[int, list[float]] = defaultdict(list)
-    steps = sorted(steps, key=lambda step: step["time"])
+    steps = sorted(steps, key=lambda step: step.time)
     for step, following in zip(steps, [*steps[1:], None], strict=True):
-        if "state" not in step:
-            raise SystemExit(
-                "--served-speed: the step log's lines carry no `state` (it was written before "
-                "the engines logged one, 2026-12-01): rerun the sweep"
-            )
-        es = ExecutionState.from_json(step["state"])
+        es = step.state
         prediction = perf.predict(es)
-        phase = "decode" if step["lane"] == "decode" else "prefill"
+        phase = "decode" if step.lane == "decode" else "prefill"
         predicted = prediction.decode_s if phase == "decode" else prediction.prefill_s
         if predicted > 0:
-            ratios[phase].append(step["measured_s"] / predicted)
-        if "rule" in step or following is None:
+            ratios[phase].append(step.measured_s / predicted)
+        if step.rule is not None or following is None:
             continue  # the lanes' steps overlap: no host gap to read
-        gap = following["time"] - following["measured_s"] - step["time"]
+        gap = following.started - step.time
         if 0 <= gap < BUSY_GAP_S:
-            host_by_rows[step["batch_size"]].append(gap - perf.sampling_s(es, phase))
+            host_by_rows[step.batch_size].append(gap - perf.sampling_s(es, phase))
     factors = {phase: statistics.median(ratios[phase] or [1.0]) for phase in ("prefill", "decode")}
     # The median gap per batch size: a short wait for the next request (the engine idle, not
     # busy on the host) is an outlier there.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -10,7 +9,7 @@ import pytest
 from bulletserve import LLM, SamplingParams
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
-from bulletserve.perf.state import ExecutionState
+from bulletserve.executor.record import read_step_log
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
 
@@ -259,27 +258,27 @@ def test_the_single_lane_engine_writes_a_step_log(tiny_llama_dir, tmp_path, poli
     prompts = random_prompts(6, seed=31)
     outputs = llm.generate(prompts, GREEDY)
     llm.engine.close()
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    records = read_step_log(log)
     # Every prompt token and every fed-back output token was computed in a logged step.
     fed_back = sum(len(o.token_ids) - 1 for o in outputs)
-    assert sum(r["tokens"] for r in records) == sum(len(p) for p in prompts) + fed_back
-    assert sum(r["decode_seqs"] for r in records) == fed_back
+    assert sum(r.tokens for r in records) == sum(len(p) for p in prompts) + fed_back
+    assert sum(r.decode_rows for r in records) == fed_back
     for r in records:
-        assert r["measured_s"] > 0 and r["batch_size"] >= 1
-        assert r["split"] == [2 if r["prefill_tokens"] else 0, 2 if r["decode_seqs"] else 0]
+        assert r.measured_s > 0 and r.batch_size >= 1
+        assert r.split == (2 if r.prefill_tokens else 0, 2 if r.decode_rows else 0)
         # The step as the performance model describes it (a fused step: one prefill row per
         # decode, on top of its context).
-        es = ExecutionState.from_json(r["state"])
-        if r["lane"] == "decode":
-            assert (es.decode_batch, es.decode_units, es.prefill_lens) == (r["decode_seqs"], 2, ())
+        es = r.state
+        if r.lane == "decode":
+            assert (es.decode_batch, es.decode_units, es.prefill_lens) == (r.decode_rows, 2, ())
         else:
-            assert (es.prefill_tokens, es.prefill_units) == (r["tokens"], 2)
-            assert len(es.prefill_lens) == r["batch_size"]
-        if not r["prefill_tokens"]:
-            assert r["lane"] == "decode"
+            assert (es.prefill_tokens, es.prefill_units) == (r.tokens, 2)
+            assert len(es.prefill_lens) == r.batch_size
+        if not r.prefill_tokens:
+            assert r.lane == "decode"
         else:
-            assert r["lane"] == ("hybrid" if r["decode_seqs"] else "prefill")
-    lanes = {r["lane"] for r in records}
+            assert r.lane == ("hybrid" if r.decode_rows else "prefill")
+    lanes = {r.lane for r in records}
     assert {"prefill", "decode"} <= lanes
     if policy == "chunked":
         assert "hybrid" in lanes

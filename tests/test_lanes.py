@@ -3,7 +3,6 @@ preemption and aborts under concurrency, a step log."""
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 from bulletserve import LLM, SamplingParams
+from bulletserve.executor.record import read_step_log
 from bulletserve.partition.cpu import use_one_thread
-from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import RULE_NAMES, Split, parse_partition
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
@@ -55,21 +54,21 @@ def test_bullet_greedy_equals_prefill_first(tiny_llama_dir, reference, settings,
             assert llm.engine.num_preemptions > 0
     finally:
         llm.engine.close()
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert {r["lane"] for r in records} == {"prefill", "decode"}
+    records = read_step_log(log)
+    assert {r.lane for r in records} == {"prefill", "decode"}
     for record in records:
-        assert record["measured_s"] > 0 and record["predicted_s"] > 0
-        assert 0 < record["runner_s"] <= record["measured_s"]  # the model's time within the step
-        assert len(record["split"]) == 2
-        assert record["rule"] in RULE_NAMES
-        es = ExecutionState.from_json(record["state"])
-        if record["lane"] == "decode":
-            assert es.decode_batch == record["batch_size"]
+        assert record.measured_s > 0 and record.predicted_s > 0
+        assert 0 < record.runner_s <= record.measured_s  # the model's time within the step
+        assert len(record.split) == 2
+        assert record.rule in RULE_NAMES
+        es = record.state
+        if record.lane == "decode":
+            assert es.decode_batch == record.batch_size
         else:
-            assert es.prefill_tokens == record["tokens"]
+            assert es.prefill_tokens == record.tokens
     if settings.get("partition", "auto") != "auto":
-        assert {r["rule"] for r in records} <= {"none", "static", "no-prefill", "no-decode"}
-    layer_ranges = [tuple(r["layers"]) for r in records if r["lane"] == "prefill"]
+        assert {r.rule for r in records} <= {"none", "static", "no-prefill", "no-decode"}
+    layer_ranges = [r.layers for r in records if r.lane == "prefill"]
     if settings.get("prefill_layers_per_step") == 1:
         assert {(0, 1), (1, 2)} <= set(layer_ranges)
     else:
@@ -138,14 +137,14 @@ def test_decode_rows_ride_in_a_prefill_step_on_a_cpu_where_co_running_is_zero_su
         assert engine.pool.allocator.num_used == 0
     finally:
         engine.close()
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    fused = [r for r in records if r["rule"] == "fused" and r["lane"] == "prefill"]
-    assert fused and all(r["fused_decode"] > 0 for r in fused)
+    records = read_step_log(log)
+    fused = [r for r in records if r.rule == "fused" and r.lane == "prefill"]
+    assert fused and all(r.decode_rows > 0 for r in fused)
     continued = 0
     for record in fused:
-        es = ExecutionState.from_json(record["state"])
-        assert es.prefill_tokens == record["tokens"] and not es.has_decode
-        assert es.prefill_lens[-record["fused_decode"] :] == (1,) * record["fused_decode"]
+        es = record.state
+        assert es.prefill_tokens == record.tokens and not es.has_decode
+        assert es.prefill_lens[-record.decode_rows :] == (1,) * record.decode_rows
         if es.prefill_cached and es.prefill_cached[0] > 0:  # a chunk on top of earlier ones
             continued += 1
     assert (continued > 0) == chunks
@@ -180,12 +179,12 @@ def test_lanes_wait_for_their_outputs_to_be_handed_off_where_the_caller_reports_
                 assert engine._unhanded == 0
         finally:
             engine.close()
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-        decode = [r for r in records if r["lane"] == "decode"]
+        records = read_step_log(log)
+        decode = [r for r in records if r.lane == "decode"]
         assert len(decode) == 5
         if not report:
             for before, after in zip(decode, decode[1:], strict=False):
-                assert after["time"] - after["measured_s"] - before["time"] >= 0.9 * HANDOFF_WAIT_S
+                assert after.time - after.measured_s - before.time >= 0.9 * HANDOFF_WAIT_S
 
 
 def test_300_requests_under_bullet_with_a_small_pool(tiny_llama_dir):

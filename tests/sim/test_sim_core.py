@@ -9,6 +9,7 @@ import pytest
 
 from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.metrics import SLO
+from bulletserve.executor.record import read_step_log
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import RULE_NAMES, BulletParams, BulletPolicy
 from bulletserve.sim.device import Noise
@@ -133,16 +134,16 @@ def test_a_prompt_over_the_context_fails_and_the_rest_finish():
 def _step_log(tmp_path, policy, chunk, **kw):
     path = tmp_path / "steps.jsonl"
     simulate(_config(policy, chunk, **kw), step_log=path)
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_step_log(path)
 
 
 def test_prefill_first_never_mixes_phases_and_chunked_does(tmp_path):
     prefill_first = _step_log(tmp_path, "prefill-first", None)
-    assert {r["lane"] for r in prefill_first} == {"prefill", "decode"}
-    assert all(r["prefill_tokens"] == 0 or r["decode_seqs"] == 0 for r in prefill_first)
+    assert {r.lane for r in prefill_first} == {"prefill", "decode"}
+    assert all(r.prefill_tokens == 0 or r.decode_rows == 0 for r in prefill_first)
     chunked = _step_log(tmp_path, "chunked", 512)
-    assert any(r["lane"] == "hybrid" for r in chunked)
-    assert all(r["tokens"] <= 512 for r in chunked)
+    assert any(r.lane == "hybrid" for r in chunked)
+    assert all(r.tokens <= 512 for r in chunked)
 
 
 @pytest.mark.parametrize(("policy", "chunk"), [("prefill-first", None), ("chunked", 512)])
@@ -151,11 +152,11 @@ def test_a_single_lane_step_log_state_is_the_one_predicted(tmp_path, policy, chu
     perf = setup(config).perf
     steps = _step_log(tmp_path, policy, chunk, noise=0.0)
     for r in steps:
-        es = ExecutionState.from_json(r["state"])
+        es = r.state
         prediction = perf.predict(es)
-        phase_s = prediction.decode_s if r["lane"] == "decode" else prediction.prefill_s
-        assert phase_s == pytest.approx(r["predicted_s"], rel=1e-12)
-        assert es.prefill_tokens + (es.decode_batch if r["lane"] == "decode" else 0) == r["tokens"]
+        phase_s = prediction.decode_s if r.lane == "decode" else prediction.prefill_s
+        assert phase_s == pytest.approx(r.predicted_s, rel=1e-12)
+        assert es.prefill_tokens + (es.decode_batch if r.lane == "decode" else 0) == r.tokens
 
 
 def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
@@ -163,21 +164,21 @@ def test_bullet_lanes_overlap_and_time_integrates_exactly(tmp_path):
     # every prompt rides in a fused step and the lanes would seldom run side by side.
     steps = _step_log(tmp_path, "bullet", None, noise=0.0, request_rates=(40.0,), fuse_decode=False)
     for r in steps:
-        assert r["measured_s"] == pytest.approx(r["predicted_s"], rel=1e-9)
-        assert r["split"][0] + r["split"][1] <= 108 or r["split"] == [108, 108]
-        assert r["rule"] in RULE_NAMES
+        assert r.measured_s == pytest.approx(r.predicted_s, rel=1e-9)
+        assert r.split[0] + r.split[1] <= 108 or r.split == (108, 108)
+        assert r.rule in RULE_NAMES
         # The split logged is the one the step started under: the lane ran on its share of it
         # (a lane whose share is 0 does not start).
-        share = r["split"][0] if r["lane"] == "prefill" else r["split"][1]
-        assert share > 0 and r["units"] == share
+        share = r.split[0] if r.lane == "prefill" else r.split[1]
+        assert share > 0 and r.units == share
         # The state logged is the lanes' when the step started: this lane's batch on its share.
-        es = ExecutionState.from_json(r["state"])
-        if r["lane"] == "prefill":
-            assert (es.prefill_tokens, es.prefill_units) == (r["tokens"], share)
+        es = r.state
+        if r.lane == "prefill":
+            assert (es.prefill_tokens, es.prefill_units) == (r.tokens, share)
         else:
-            assert (es.decode_batch, es.decode_units) == (r["batch_size"], share)
+            assert (es.decode_batch, es.decode_units) == (r.batch_size, share)
     spans = {
-        lane: [(r["time"] - r["measured_s"], r["time"]) for r in steps if r["lane"] == lane]
+        lane: [(r.time - r.measured_s, r.time) for r in steps if r.lane == lane]
         for lane in ("prefill", "decode")
     }
     overlaps = sum(
@@ -221,26 +222,25 @@ def test_bullet_fuses_decode_rows_into_prefill_steps(tmp_path, device):
     perf = setup(config).perf
     path = tmp_path / "steps.jsonl"
     result = simulate(config, step_log=path)
-    steps = [json.loads(line) for line in path.read_text().splitlines()]
-    fused = [r for r in steps if r["rule"] in ("fused", "fused-ttft-first")]
-    assert fused and all(r["lane"] == "prefill" and r["fused_decode"] > 0 for r in fused)
+    steps = read_step_log(path)
+    fused = [r for r in steps if r.rule in ("fused", "fused-ttft-first")]
+    assert fused and all(r.lane == "prefill" and r.decode_rows > 0 for r in fused)
     for r in fused:
-        es = ExecutionState.from_json(r["state"])
-        assert not es.has_decode and es.prefill_tokens == r["tokens"]
-        assert es.prefill_lens[-r["fused_decode"] :] == (1,) * r["fused_decode"]
-        assert r["measured_s"] == pytest.approx(perf.predict(es).prefill_s, rel=1e-9)
-        if r["rule"] == "fused-ttft-first":
+        es = r.state
+        assert not es.has_decode and es.prefill_tokens == r.tokens
+        assert es.prefill_lens[-r.decode_rows :] == (1,) * r.decode_rows
+        assert r.measured_s == pytest.approx(perf.predict(es).prefill_s, rel=1e-9)
+        if r.rule == "fused-ttft-first":
             late_limit = BulletParams().late_fused_step_limit
-            assert r["measured_s"] <= config.slo.tpot_ms / 1000 * late_limit
+            assert r.measured_s <= config.slo.tpot_ms / 1000 * late_limit
         elif device != "cpu":
-            assert r["measured_s"] <= config.slo.tpot_ms / 1000 * 0.8
-        start = r["time"] - r["measured_s"]
+            assert r.measured_s <= config.slo.tpot_ms / 1000 * 0.8
+        start = r.time - r.measured_s
         assert not any(
-            d["lane"] == "decode" and d["time"] - d["measured_s"] < r["time"] and start < d["time"]
-            for d in steps
+            d.lane == "decode" and d.time - d.measured_s < r.time and start < d.time for d in steps
         )
     # A chunk on top of earlier ones: the step's first prompt has tokens in the cache.
-    continued = [r for r in fused if ExecutionState.from_json(r["state"]).prefill_cached[0] > 0]
+    continued = [r for r in fused if r.state.prefill_cached[0] > 0]
     if device == "a100-long":
         assert continued
     (run,) = result.to_json()["runs"]

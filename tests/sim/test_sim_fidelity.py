@@ -243,12 +243,12 @@ def test_served_speed_replays_a_run_at_its_step_logs_own_speed(tmp_path, capsys)
     assert "served / predicted steps, prefill 2.00, decode 2.00" in out
     assert "host between steps 3.00 ms + 0.500 ms a row (profile 0.00 + 0.000)" in out
     assert out.rstrip().endswith("largest difference 0.0% (target 15%; ** marks misses)")
-    # A step log written before the engines logged each step's state cannot be used.
+    # A step log without each step's state (as written before 2026-12-01) cannot be used.
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     log.write_text(
         "".join(
             json.dumps({k: v for k, v in line.items() if k != "state"}) + "\n" for line in lines
         )
     )
-    with pytest.raises(SystemExit, match="no `state`"):
+    with pytest.raises(SystemExit, match="prefill-first.steps.jsonl:1: not a step-log line"):
         _script().main([*argv, "--served-speed"])

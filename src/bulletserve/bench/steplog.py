@@ -3,7 +3,6 @@ split between the prefill and decode lanes moved, and what each lane's steps cos
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,32 +13,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bulletserve.bench.records import BenchResult  # noqa: E402
-
-
-def read_step_log(path: Path) -> list[dict]:
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            float(record["time"]), record["lane"], record["split"], float(record["measured_s"])
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(
-                f"{path}:{number}: not a step-log line (expected JSON with time, lane, split, "
-                "measured_s)"
-            ) from None
-        records.append(record)
-    if not records:
-        raise ValueError(f"{path}: the step log is empty")
-    return records
+from bulletserve.executor.record import read_step_log  # noqa: E402
 
 
 def plot_step_log(step_log: Path, results: Sequence[BenchResult], path: Path) -> Path:
     """Three panels sharing a time axis (seconds from the first logged step, which is when the
     first request arrived): TTFT of each request by arrival, units per lane, step latency."""
     records = read_step_log(step_log)
-    start = records[0]["time"]
+    start = records[0].time
     fig, (ttft_ax, split_ax, step_ax) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     for result in results:
         for run in result.runs:
@@ -52,19 +33,19 @@ def plot_step_log(step_log: Path, results: Sequence[BenchResult], path: Path) ->
             )
     ttft_ax.set_ylabel("TTFT (ms)")
     for lane, color in (("prefill", "tab:orange"), ("decode", "tab:blue")):
-        lane_records = [r for r in records if r["lane"] == lane]
-        times = [r["time"] - start for r in lane_records]
+        lane_records = [r for r in records if r.lane == lane]
+        times = [r.time - start for r in lane_records]
         index = 0 if lane == "prefill" else 1
         split_ax.step(
             times,
-            [r["split"][index] for r in lane_records],
+            [r.split[index] for r in lane_records],
             where="post",
             color=color,
             label=f"{lane} units",
         )
         step_ax.scatter(
             times,
-            [r["measured_s"] * 1000 for r in lane_records],
+            [r.measured_s * 1000 for r in lane_records],
             s=4,
             color=color,
             label=f"{lane} step",

@@ -7,7 +7,6 @@ own thread and is the only place that changes request state.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
@@ -32,6 +31,7 @@ from bulletserve.engine.runner import (
 )
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.executor.record import StepRecord, write_step
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import load_config, load_model, resolve_dtype
@@ -294,20 +294,19 @@ class LLMEngine:
         measured = time.perf_counter() - started
         prefill_tokens = sum(n for n, _ in prefill_chunks)
         decodes = len(decode_ctx)
-        lane = ("hybrid" if decodes else "prefill") if prefill_tokens else "decode"
         units = self._log_units()
-        record = {
-            "time": time.monotonic(),
-            "lane": lane,
-            "split": [units if prefill_tokens else 0, units if decodes else 0],
-            "batch_size": len(prefill_chunks) + decodes,
-            "tokens": prefill_tokens + decodes,
-            "prefill_tokens": prefill_tokens,
-            "decode_seqs": decodes,
-            "state": fused_step_state(prefill_chunks, decode_ctx, units)[0].to_json(),
-            "measured_s": measured,
-        }
-        self._step_log.write(json.dumps(record) + "\n")
+        record = StepRecord(
+            time=time.monotonic(),
+            lane=("hybrid" if decodes else "prefill") if prefill_tokens else "decode",
+            split=(units if prefill_tokens else 0, units if decodes else 0),
+            units=units,
+            batch_size=len(prefill_chunks) + decodes,
+            prefill_tokens=prefill_tokens,
+            decode_rows=decodes,
+            state=fused_step_state(prefill_chunks, decode_ctx, units)[0],
+            measured_s=measured,
+        )
+        write_step(self._step_log, record)
         self._step_log.flush()
 
     def _log_units(self) -> int:

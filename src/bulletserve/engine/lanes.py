@@ -11,7 +11,6 @@ hands out memory a kernel is still writing.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -29,6 +28,7 @@ from bulletserve.engine.request import Request, RequestOutput, RequestState, Tok
 from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.executor.record import Lane, StepRecord, write_step
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
 from bulletserve.perf.hardware import HardwareProfile
@@ -388,7 +388,17 @@ class LanedEngine(LLMEngine):
         )
 
     def _log_step(
-        self, lane: str, split: Split, es: ExecutionState, measured: float, **fields
+        self,
+        lane: Lane,
+        split: Split,
+        es: ExecutionState,
+        measured: float,
+        *,
+        batch_size: int,
+        prefill_tokens: int,
+        decode_rows: int,
+        runner_s: float,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         """Feed the online correction and write the step log; `split` is the one the step ran
         under (the other lane may have planned a new one since)."""
@@ -398,15 +408,22 @@ class LanedEngine(LLMEngine):
         if predicted > 0:
             self.prediction_error[lane] = abs(predicted / measured - 1)
         if self._step_log:
-            record = {
-                "time": time.monotonic(),
-                "lane": lane,
-                "split": [split.prefill, split.decode],
-                "rule": split.rule,
-            }
-            record |= fields
-            record |= {"state": es.to_json(), "predicted_s": predicted, "measured_s": measured}
-            self._step_log.write(json.dumps(record) + "\n")
+            record = StepRecord(
+                time=time.monotonic(),
+                lane=lane,
+                split=(split.prefill, split.decode),
+                rule=split.rule,
+                units=self._share(lane, split),
+                batch_size=batch_size,
+                prefill_tokens=prefill_tokens,
+                decode_rows=decode_rows,
+                layers=layers,
+                state=es,
+                predicted_s=predicted,
+                measured_s=measured,
+                runner_s=runner_s,
+            )
+            write_step(self._step_log, record)
             self._step_log.flush()
 
     # ---- the prefill lane -------------------------------------------------------------------
@@ -463,9 +480,9 @@ class LanedEngine(LLMEngine):
                     es,
                     measured,
                     batch_size=len(batch.requests),
-                    tokens=sum(batch.pass_tokens) + len(batch.fused),
-                    fused_decode=len(batch.fused),
-                    layers=[plan.prefill.layer_start, plan.prefill.layer_end],
+                    prefill_tokens=sum(batch.pass_tokens),
+                    decode_rows=len(batch.fused),
+                    layers=(plan.prefill.layer_start, plan.prefill.layer_end),
                     runner_s=runner_s,
                 )
                 if plan.prefill.layer_end == self.model_config.num_layers:
@@ -648,7 +665,8 @@ class LanedEngine(LLMEngine):
                     es,
                     measured,
                     batch_size=len(requests),
-                    tokens=len(requests),
+                    prefill_tokens=0,
+                    decode_rows=len(requests),
                     runner_s=runner_s,
                 )
                 alive = []

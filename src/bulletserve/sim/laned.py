@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from bulletserve.executor.record import StepRecord
 from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
     BulletPolicy,
@@ -299,23 +300,7 @@ class LanedSimulator:
         self._rerate(now)
         self.steps[lane] = None
         self._rerate(now)
-        record = {
-            "time": now,
-            "lane": lane,
-            "split": [step.split.prefill, step.split.decode],
-            "rule": step.split.rule,
-            "units": step.units,
-            "batch_size": len(step.requests),
-            "state": step.state.to_json() if step.state else None,
-            "predicted_s": step.busy_s,
-            "measured_s": now - step.started,
-        }
         if lane == "prefill":
-            record |= {
-                "tokens": sum(step.lengths) + len(step.fused),
-                "fused_decode": len(step.fused),
-                "layers": step.layers,
-            }
             self.layers_done = step.layers[1]
             if step.layers[1] == self.num_layers:
                 for request, cached, tokens in zip(
@@ -328,9 +313,24 @@ class LanedSimulator:
                     self.layers_done = 0
             self._append_tokens(step.fused, now)
         else:
-            record["tokens"] = len(step.requests)
             self._append_tokens(step.requests, now)
-        self.state.log_step(record)
+        assert step.state is not None
+        self.state.log_step(
+            StepRecord(
+                time=now,
+                lane=lane,
+                split=(step.split.prefill, step.split.decode),
+                rule=step.split.rule,
+                units=step.units,
+                batch_size=len(step.requests),
+                prefill_tokens=sum(step.lengths) if lane == "prefill" else 0,
+                decode_rows=len(step.fused) if lane == "prefill" else len(step.requests),
+                layers=step.layers if lane == "prefill" else None,
+                state=step.state,
+                predicted_s=step.busy_s,
+                measured_s=now - step.started,
+            )
+        )
         self.ready.add(lane)
         self._notify()
 

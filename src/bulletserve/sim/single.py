@@ -8,6 +8,7 @@ the next arrival.
 
 from __future__ import annotations
 
+from bulletserve.executor.record import StepRecord
 from bulletserve.perf.state import fused_step_state
 from bulletserve.sched.base import Policy, SchedulerSnapshot
 from bulletserve.sim.device import CachedPerfModel, Noise
@@ -75,18 +76,18 @@ def run_single_lane(
             request.num_computed_tokens += num
             if request.num_computed_tokens == request.num_tokens:
                 state.append_token(request, now)
-        lane = ("hybrid" if decode_ctx else "prefill") if prefill else "decode"
+        prefill_tokens = sum(n for n, _ in prefill)
         state.log_step(
-            {
-                "time": now,
-                "lane": lane,
-                "split": [units if prefill else 0, units if decode_ctx else 0],
-                "batch_size": len(batch),
-                "tokens": plan.num_tokens,
-                "prefill_tokens": sum(n for n, _ in prefill),
-                "decode_seqs": len(decode_ctx),
-                "state": es.to_json(),
-                "predicted_s": predicted,
-                "measured_s": measured,
-            }
+            StepRecord(
+                time=now,
+                lane=("hybrid" if decode_ctx else "prefill") if prefill else "decode",
+                split=(units if prefill else 0, units if decode_ctx else 0),
+                units=units,
+                batch_size=len(batch),
+                prefill_tokens=prefill_tokens,
+                decode_rows=len(decode_ctx),
+                state=es,
+                predicted_s=predicted,
+                measured_s=measured,
+            )
         )

@@ -6,11 +6,11 @@ Each method mirrors the engine's method of the same role (`LLMEngine._apply_pree
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
+from bulletserve.executor.record import StepRecord, write_step
 from bulletserve.kv.allocator import BlockAllocator
 from bulletserve.sim.request import SimRequest
 
@@ -111,7 +111,7 @@ class SimState:
         self.running.clear()
         self._pending.clear()
 
-    def log_step(self, record: dict) -> None:
+    def log_step(self, record: StepRecord) -> None:
         self.num_steps += 1
         if self.step_log is not None:
-            self.step_log.write(json.dumps(record) + "\n")
+            write_step(self.step_log, record)
