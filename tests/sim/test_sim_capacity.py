@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bulletserve.sim.capacity import (
+    PolicySettings,
     Task,
     capacity,
     main,
@@ -45,10 +46,13 @@ def test_ratio_is_bullet_over_the_best_baseline():
 
 
 def test_policy_labels():
-    assert policy_settings("chunked-512") == ("chunked", 512, True)
-    assert policy_settings("bullet") == ("bullet", None, True)
-    assert policy_settings("bullet-no-fuse") == ("bullet", None, False)
-    for bad in ("chunked-x", "fcfs"):
+    assert policy_settings("chunked-512") == PolicySettings("chunked", 512)
+    assert policy_settings("bullet") == PolicySettings("bullet")
+    assert policy_settings("bullet-no-fuse") == PolicySettings("bullet", fuse_decode=False)
+    assert policy_settings("bullet-without-turns+balance") == PolicySettings(
+        "bullet", without_rules=("turns", "balance")
+    )
+    for bad in ("chunked-x", "fcfs", "bullet-without-sharing", "bullet-without-decode-grows"):
         with pytest.raises(ValueError, match=bad):
             policy_settings(bad)
 

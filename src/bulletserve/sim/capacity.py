@@ -32,6 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bulletserve.bench.datasets import PAPER_SLOS, dataset_family, load_lengths  # noqa: E402
 from bulletserve.bench.metrics import SLO  # noqa: E402
+from bulletserve.sched.bullet import RULE_NAMES, BulletPolicy  # noqa: E402
 from bulletserve.sim.hardware import SimSetupError  # noqa: E402
 from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_run  # noqa: E402
 
@@ -66,20 +67,41 @@ class Task:
     device_memory_gib: float | None = None
 
 
-def policy_settings(label: str) -> tuple[str, int | None, bool]:
-    """(policy, chunked prefill size, fuse decode) from a label: bullet, bullet-no-fuse (its
-    `--no-fuse-decode`), prefill-first or chunked-N."""
+@dataclasses.dataclass(frozen=True)
+class PolicySettings:
+    """What a policy label means: the policy, chunked prefill's chunk, whether bullet fuses,
+    and the rules an ablation takes out of bullet's table."""
+
+    policy: str
+    chunk: int | None = None
+    fuse_decode: bool = True
+    without_rules: tuple[str, ...] = ()
+
+
+def policy_settings(label: str) -> PolicySettings:
+    """A label: bullet, bullet-no-fuse (its `--no-fuse-decode`), bullet-without-RULE[+RULE...]
+    (bullet's table less those rules, an ablation), prefill-first or chunked-N."""
     if label.startswith("chunked-"):
         size = label.removeprefix("chunked-")
         if not size.isdigit():
             raise ValueError(f"policy {label!r}: expected chunked-N with N a token count")
-        return "chunked", int(size), True
+        return PolicySettings("chunked", int(size))
     if label in ("bullet", "prefill-first"):
-        return label, None, True
+        return PolicySettings(label)
     if label == "bullet-no-fuse":
-        return "bullet", None, False
+        return PolicySettings("bullet", fuse_decode=False)
+    if label.startswith("bullet-without-"):
+        rules = tuple(label.removeprefix("bullet-without-").split("+"))
+        unknown = [r for r in rules if r not in RULE_NAMES]
+        if unknown or RULE_NAMES[-1] in rules:
+            raise ValueError(
+                f"policy {label!r}: expected rules of bullet's table other than its last "
+                f"({', '.join(RULE_NAMES[:-1])})"
+            )
+        return PolicySettings("bullet", without_rules=rules)
     raise ValueError(
-        f"policy {label!r}: expected bullet, bullet-no-fuse, prefill-first or chunked-N"
+        f"policy {label!r}: expected bullet, bullet-no-fuse, bullet-without-RULE, prefill-first "
+        "or chunked-N"
     )
 
 
@@ -87,13 +109,13 @@ def walk(task: Task) -> dict[float, float]:
     """Attainment at each rate of the grid, upwards, until MISSES_BEFORE_STOP rates in a row
     miss the target. One modeled device, policy and workload for the whole walk, as
     `runner.simulate` does for a sweep."""
-    policy, chunk, fuse = policy_settings(task.policy)
+    settings = policy_settings(task.policy)
     config = SimConfig(
         hardware=task.hardware,
         model=task.model,
-        policy=policy,
-        chunked_prefill_size=chunk,
-        fuse_decode=fuse,
+        policy=settings.policy,
+        chunked_prefill_size=settings.chunk,
+        fuse_decode=settings.fuse_decode,
         dataset=task.dataset,
         num_prompts=task.num_prompts,
         request_rates=task.rates,
@@ -106,6 +128,10 @@ def walk(task: Task) -> dict[float, float]:
     )
     env = setup(config)
     sim_policy = make_sim_policy(config, env)
+    if settings.without_rules:
+        assert isinstance(sim_policy, BulletPolicy)
+        kept = tuple(r for r in sim_policy.rules if r.name not in settings.without_rules)
+        sim_policy = dataclasses.replace(sim_policy, rules=kept)
     lengths = load_lengths(
         config.dataset, config.num_prompts, config.seed, config.max_model_len, config.random_lengths
     )
