@@ -263,7 +263,7 @@ def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
         decode_view = engine.policy.plan_decode(engine._snapshot())
         assert decode_view.split.decode > 0 and decode_view.split.prefill > 0
         # The decode lane starts its step on its share of the units...
-        engine._busy.update(r.request_id for r in engine.running)
+        engine.book.busy.update(r.request_id for r in engine.running)
         engine._computing["decode"] = engine._share("decode", decode_view.split)
         # ...and the prefill lane plans meanwhile: the same split, which it can start at once.
         prefill_view = engine.policy.plan_prefill(engine._snapshot())

@@ -111,11 +111,11 @@ def test_conservation_under_preemption(policy, chunk):
         LanedSimulator(state, policy_obj, env.perf, noise, 256, 2048).run()
     else:
         run_single_lane(state, policy_obj, env.perf, noise, 256, 2048)
-    assert state.num_preemptions > 0
+    assert state.book.num_preemptions > 0
     assert all(r.finished_at is not None and r.error is None for r in requests)
     assert all(len(r.token_times) == r.output_len for r in requests)
-    assert state.allocator.num_free == state.allocator.num_blocks
-    assert not state.waiting and not state.running
+    assert state.book.allocator.num_free == state.book.allocator.num_blocks
+    assert not state.book.waiting and not state.book.running
 
 
 def test_a_prompt_over_the_context_fails_and_the_rest_finish():
@@ -128,7 +128,7 @@ def test_a_prompt_over_the_context_fails_and_the_rest_finish():
     run_single_lane(state, make_sim_policy(config, env), env.perf, Noise(0.0, 0), 256, 2048)
     assert "max-model-len" in (requests[0].error or "")
     assert requests[1].finished_at is not None and len(requests[1].token_times) == 4
-    assert state.allocator.num_free == 64
+    assert state.book.allocator.num_free == 64
 
 
 def _step_log(tmp_path, policy, chunk, **kw):

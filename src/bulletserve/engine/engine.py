@@ -31,7 +31,14 @@ from bulletserve.engine.runner import (
 )
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.executor.book import RequestBook
 from bulletserve.executor.record import StepRecord, write_step
+from bulletserve.executor.single import (
+    SingleStep,
+    begin_single_step,
+    end_single_step,
+    scheduler_snapshot,
+)
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import load_config, load_model, resolve_dtype
@@ -40,7 +47,7 @@ from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, 
 from bulletserve.partition import usable_cores
 from bulletserve.perf.state import fused_step_state
 from bulletserve.sched import make_policy
-from bulletserve.sched.base import Policy, SchedulerSnapshot, SeqView, StepPlan
+from bulletserve.sched.base import Policy, SchedulerSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -111,15 +118,13 @@ class LLMEngine:
             self._warm_cpu_gemms()
         self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.book: RequestBook[Request] = RequestBook(self.pool.allocator, self.pool.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) reported
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self.num_preemptions = 0
         # --step-log: one JSON line per step (the laned engine's lanes write it too).
         self._step_log = open(config.step_log, "a") if config.step_log else None
         # Whether whoever calls `step()` reports each hand-off (`outputs_handed_off`): the
@@ -200,6 +205,18 @@ class LLMEngine:
             self._aborts.append(request_id)
 
     @property
+    def waiting(self) -> deque[Request]:
+        return self.book.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.book.running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.book.num_preemptions
+
+    @property
     def num_running(self) -> int:
         """Requests past admission and not finished."""
         return len(self.running)
@@ -228,29 +245,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return outputs of requests that progressed or ended."""
         outputs = self._drain_inbox()
-        plan = self.policy.plan(self.snapshot())
-        self._apply_preemptions(plan)
-        if not plan.scheduled:
+        step = begin_single_step(self.book, self.policy.plan(self.snapshot()))
+        for request in step.preempted:
+            request.state = RequestState.WAITING
+        if not step.batch:
             return outputs
-        by_id = {r.request_id: r for r in self.running}
-        for request_id in plan.admitted:
-            request = next(r for r in self.waiting if r.request_id == request_id)
-            self.waiting.remove(request)
-            self.running.append(request)
-            by_id[request_id] = request
         works = []
-        prefill_chunks: list[tuple[int, int]] = []  # (new tokens, cached tokens)
-        decode_ctx: list[int] = []  # sequences feeding back their last sampled token
         now = time.monotonic()
-        for item in plan.scheduled:
-            request = by_id[item.request_id]
-            self._grow_blocks(request, request.num_computed_tokens + item.num_tokens)
+        for request, num_tokens in step.batch:
             start = request.num_computed_tokens
-            end = start + item.num_tokens
-            if request.output_token_ids and start == request.num_tokens - 1:
-                decode_ctx.append(end)
-            else:
-                prefill_chunks.append((item.num_tokens, start))
+            end = start + num_tokens
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
             works.append(
@@ -264,13 +268,13 @@ class LLMEngine:
         started = time.perf_counter()
         logits, sampling = self.runner.execute(works)
         if self._step_log:
-            self._log_step(prefill_chunks, decode_ctx, started)
-        for item in plan.scheduled:
-            request = by_id[item.request_id]
-            request.num_computed_tokens += item.num_tokens
+            self._log_step(step, started)
+        end_single_step(step)
+        for request, _ in step.batch:
             if request.num_computed_tokens < request.num_tokens:
                 request.state = RequestState.PREFILLING
-        sampled = [by_id[plan.scheduled[i].request_id] for i in sampling]
+        # The runner's row order (prompts of one token sit with the decode rows).
+        sampled = [step.batch[i][0] for i in sampling]
         if sampled:
             stop_sets = [r.stop_ids for r in sampled]
             tokens, logprobs = self.sampler.sample(logits, sampled, stop_sets)
@@ -281,29 +285,24 @@ class LLMEngine:
             outputs.append(self._output(request))
         return outputs
 
-    def _log_step(
-        self, prefill_chunks: list[tuple[int, int]], decode_ctx: list[int], started: float
-    ) -> None:
+    def _log_step(self, step: SingleStep[Request], started: float) -> None:
         """One step-log line in the simulator's single-lane form (no prediction: this engine
-        has no performance model): a step with prefill chunks and decodes is `hybrid`, the
-        split gives every unit to the phases that ran, and `state` is the step as the
-        performance model describes it (what a profile's prediction for it takes). `started`:
-        the step's perf_counter."""
+        has no performance model): the split gives every unit to the phases that ran, and
+        `state` is the step as the performance model describes it (what a profile's
+        prediction for it takes). `started`: the step's perf_counter."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's device time, not its launch time
         measured = time.perf_counter() - started
-        prefill_tokens = sum(n for n, _ in prefill_chunks)
-        decodes = len(decode_ctx)
         units = self._log_units()
         record = StepRecord(
             time=time.monotonic(),
-            lane=("hybrid" if decodes else "prefill") if prefill_tokens else "decode",
-            split=(units if prefill_tokens else 0, units if decodes else 0),
+            lane=step.lane,
+            split=(units if step.prefill else 0, units if step.decode_ctx else 0),
             units=units,
-            batch_size=len(prefill_chunks) + decodes,
-            prefill_tokens=prefill_tokens,
-            decode_rows=decodes,
-            state=fused_step_state(prefill_chunks, decode_ctx, units)[0],
+            batch_size=len(step.batch),
+            prefill_tokens=step.prefill_tokens,
+            decode_rows=len(step.decode_ctx),
+            state=fused_step_state(step.prefill, step.decode_ctx, units)[0],
             measured_s=measured,
         )
         write_step(self._step_log, record)
@@ -316,14 +315,9 @@ class LLMEngine:
         return torch.get_num_threads()
 
     def snapshot(self) -> SchedulerSnapshot:
-        return SchedulerSnapshot(
-            now=time.monotonic(),
-            waiting=tuple(_view(r) for r in self.waiting),
-            running=tuple(_view(r) for r in self.running),
-            free_blocks=self.pool.allocator.num_free,
-            block_size=self.pool.block_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        config = self.config
+        return scheduler_snapshot(
+            self.book, time.monotonic(), config.max_num_seqs, config.max_num_batched_tokens
         )
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -340,24 +334,6 @@ class LLMEngine:
             self._finish(request, "abort", RequestState.ABORTED)
             outputs.append(self._output(request))
         return outputs
-
-    def _apply_preemptions(self, plan: StepPlan) -> None:
-        preempted_ids = set(plan.preempted)
-        preempted = [r for r in self.running if r.request_id in preempted_ids]
-        for request in preempted:
-            self.running.remove(request)
-            self._release_blocks(request)
-            request.num_computed_tokens = 0
-            request.state = RequestState.WAITING
-            request.num_preemptions += 1
-            self.num_preemptions += 1
-        # Preempted requests go back to the front of the queue, oldest first.
-        self.waiting.extendleft(reversed(preempted))
-
-    def _grow_blocks(self, request: Request, num_tokens: int) -> None:
-        need = -(-num_tokens // self.pool.block_size) - len(request.block_table)
-        if need > 0:
-            request.block_table.extend(self.pool.allocator.allocate(need))
 
     def _append_token(
         self, request: Request, token: int, logprob: TokenLogprob | None, now: float
@@ -400,16 +376,7 @@ class LLMEngine:
         request.finish_reason = reason
         request.state = state
         request.timings.finished = time.monotonic()
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self._release_blocks(request)
-
-    def _release_blocks(self, request: Request) -> None:
-        if request.block_table:
-            self.pool.allocator.free(request.block_table)
-            request.block_table = []
+        self.book.finish(request)
 
     def _output(self, request: Request) -> RequestOutput:
         chars, tokens = self._emitted.get(request.request_id, (0, 0))
@@ -439,16 +406,6 @@ class LLMEngine:
         else:
             self._emitted[request.request_id] = (visible, len(request.output_token_ids))
         return output
-
-
-def _view(request: Request) -> SeqView:
-    return SeqView(
-        request_id=request.request_id,
-        arrival_time=request.timings.arrival,
-        num_tokens=request.num_tokens,
-        num_computed_tokens=request.num_computed_tokens,
-        num_blocks=len(request.block_table),
-    )
 
 
 def _find_stop(text: str, stops: list[str], delta_len: int) -> int | None:

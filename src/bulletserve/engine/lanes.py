@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.engine import HANDOFF_WAIT_S, LLMEngine, _view
+from bulletserve.engine.engine import HANDOFF_WAIT_S, LLMEngine
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampler import Sampler
@@ -82,7 +82,6 @@ class LanedEngine(LLMEngine):
         self._unhanded = 0  # outputs emitted and not yet reported handed off
         self._taken = 0  # outputs the last `step()` calls returned, not yet reported
         self._prefill: PrefillBatch | None = None
-        self._busy: set[str] = set()  # requests some lane is computing right now
         self._computing = {"prefill": 0, "decode": 0}  # units each lane's running step holds
         self.split = Split(0, self.units.total, "no-prefill")
         self._stop = threading.Event()
@@ -252,16 +251,16 @@ class LanedEngine(LLMEngine):
             self._emit(output)
         prefill = None
         if self._prefill is not None:
-            views = tuple(_view(r) for r in self._prefill.requests)
+            views = tuple(r.view() for r in self._prefill.requests)
             prefill = PrefillInFlight(views, self._prefill.layers_done, self._prefill.stepping)
         return BulletSnapshot(
             now=time.monotonic(),
-            waiting=tuple(_view(r) for r in self.waiting),
+            waiting=self.book.waiting_views(),
             prefill=prefill,
             # Every decoding request, those in the decode lane's running step too: the prefill
             # lane must see that decode has work, or its split would claim the decode lane's
             # units and wait for them while decode keeps stepping.
-            decoding=tuple(_view(r) for r in self.running),
+            decoding=self.book.running_views(),
             free_blocks=self.pool.allocator.num_free,
             block_size=self.pool.block_size,
             max_num_seqs=self.config.max_num_seqs,
@@ -270,10 +269,6 @@ class LanedEngine(LLMEngine):
             split=self.split,
             corrections=self.perf.corrections,
         )
-
-    def _release_blocks(self, request: Request) -> None:
-        if request.request_id not in self._busy:
-            super()._release_blocks(request)
 
     def _finish(
         self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
@@ -534,16 +529,14 @@ class LanedEngine(LLMEngine):
         """Move the admitted prompts from the queue into a new batch, with KV for all of them.
         The whole batch counts as busy until its prefill ends: an abort between layer groups
         or chunks must not free blocks a later step writes."""
-        ids = set(admitted)
-        requests = [r for r in self.waiting if r.request_id in ids]
+        requests = self.book.take_waiting(admitted)
         for request in requests:
-            self.waiting.remove(request)
-            self._grow_blocks(request, request.num_tokens)
+            self.book.grow_blocks(request, request.num_tokens)
             request.state = RequestState.PREFILLING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.monotonic()
         self._prefill = PrefillBatch(requests)
-        self._busy.update(r.request_id for r in requests)
+        self.book.busy.update(r.request_id for r in requests)
 
     def _begin_pass(self, batch: PrefillBatch, step: PrefillStep) -> None:
         """Prepare the device batch of a pass: each prompt's rest (or the step's chunk of the
@@ -565,9 +558,9 @@ class LanedEngine(LLMEngine):
         by_id = {r.request_id: r for r in self.running}
         batch.fused = [by_id[s.request_id] for s in step.decode]
         for request in batch.fused:
-            self._grow_blocks(request, request.num_tokens)
+            self.book.grow_blocks(request, request.num_tokens)
         works += [_decode_work(r) for r in batch.fused]
-        self._busy.update(r.request_id for r in batch.fused)
+        self.book.busy.update(r.request_id for r in batch.fused)
         batch.batch, batch.hidden = self.runner.prepare(works), None
 
     def _end_pass(self, batch: PrefillBatch, logits: torch.Tensor | None) -> None:
@@ -585,7 +578,7 @@ class LanedEngine(LLMEngine):
         ends = complete or all(r.is_finished for r in batch.requests)
         members = batch.requests + fused  # in the order of the step's works
         leaving = members if ends else fused
-        self._busy.difference_update(r.request_id for r in leaving)
+        self.book.busy.difference_update(r.request_id for r in leaving)
         if ends:
             self._prefill = None
         else:
@@ -595,7 +588,7 @@ class LanedEngine(LLMEngine):
             if work < len(batch.requests) and not ends:
                 continue
             if request.is_finished:  # aborted while its step ran: its token is dropped
-                self._release_blocks(request)
+                self.book.release_blocks(request)
             else:
                 live.append((work, request))
         if not live:
@@ -630,7 +623,8 @@ class LanedEngine(LLMEngine):
                     continue
                 plan = self.policy.plan_decode(self._snapshot())
                 self.split = plan.split
-                self._apply_preemptions(plan)
+                for request in self.book.preempt(plan.preempted):
+                    request.state = RequestState.WAITING
                 if (
                     not plan.decode
                     or plan.split.decode == 0
@@ -642,9 +636,9 @@ class LanedEngine(LLMEngine):
                 by_id = {r.request_id: r for r in self.running}
                 requests = [by_id[s.request_id] for s in plan.decode]
                 for request in requests:
-                    self._grow_blocks(request, request.num_tokens)
+                    self.book.grow_blocks(request, request.num_tokens)
                 works = [_decode_work(r) for r in requests]
-                self._busy.update(r.request_id for r in requests)
+                self.book.busy.update(r.request_id for r in requests)
                 prefill_lens, prefill_cached = (), ()
                 if self._prefill is not None:
                     prefill_lens = self._prefill.pass_tokens
@@ -655,7 +649,7 @@ class LanedEngine(LLMEngine):
             )
             measured = time.perf_counter() - start
             with self._state:
-                self._busy.difference_update(r.request_id for r in requests)
+                self.book.busy.difference_update(r.request_id for r in requests)
                 es = self._execution_state(
                     plan.split, prefill_lens, prefill_cached, tuple(r.num_tokens for r in requests)
                 )
@@ -674,7 +668,7 @@ class LanedEngine(LLMEngine):
                 for request, (token, logprob) in zip(requests, sampled, strict=True):
                     request.num_computed_tokens = request.num_tokens
                     if request.is_finished:  # aborted while its step ran: its token is dropped
-                        self._release_blocks(request)
+                        self.book.release_blocks(request)
                     else:
                         self._append_token(request, token, logprob, now)
                         alive.append(request)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.sched.base import SeqView
 
 
 class RequestState(enum.Enum):
@@ -57,6 +58,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
         prompt_len = len(self.prompt_token_ids)
@@ -69,6 +74,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    def view(self) -> SeqView:
+        """The request as a policy sees it."""
+        return SeqView(
+            self.request_id,
+            self.timings.arrival,
+            self.num_tokens,
+            self.num_computed_tokens,
+            len(self.block_table),
+        )
 
 
 @dataclass

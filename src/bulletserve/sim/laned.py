@@ -131,7 +131,7 @@ class LanedSimulator:
 
     def _wait(self, lane: str, now: float, time_dependent: bool) -> None:
         nothing_steps = all(s is None for s in self.steps.values())
-        work = self.state.waiting or self.state.running or self.prefill_batch is not None
+        work = self.state.book.waiting or self.state.book.running or self.prefill_batch is not None
         other = self.steps["decode" if lane == "prefill" else "prefill"]
         # As in the engine: no polling while the other lane's step holds every unit (its end
         # wakes this lane).
@@ -144,7 +144,7 @@ class LanedSimulator:
     def _fail(self, reason: str) -> None:
         for request in self.prefill_batch or ():
             request.error = reason
-            self.state.release_blocks(request)
+            self.state.book.release_blocks(request)
         self.prefill_batch = None
         self.state.fail_unfinished(reason)
 
@@ -158,11 +158,11 @@ class LanedSimulator:
             prefill = PrefillInFlight(views, self.layers_done, stepping)
         return BulletSnapshot(
             now=now,
-            waiting=tuple(r.view() for r in self.state.waiting),
+            waiting=self.state.book.waiting_views(),
             prefill=prefill,
-            decoding=tuple(r.view() for r in self.state.running),
-            free_blocks=self.state.allocator.num_free,
-            block_size=self.state.block_size,
+            decoding=self.state.book.running_views(),
+            free_blocks=self.state.book.allocator.num_free,
+            block_size=self.state.book.block_size,
             max_num_seqs=self.max_num_seqs,
             max_prefill_tokens=self.max_prefill_tokens,
             stats=self.window.stats(),
@@ -190,10 +190,10 @@ class LanedSimulator:
             layers = (plan.prefill.layer_start, plan.prefill.layer_end)
             step = LaneStep(self.prefill_batch, units, self.noise.factor(), now, plan.split, layers)
             step.lengths, step.cached = self.pass_tokens, self.pass_cached
-            by_id = {r.request_id: r for r in self.state.running}
+            by_id = {r.request_id: r for r in self.state.book.running}
             step.fused = [by_id[s.request_id] for s in plan.prefill.decode]
             for request in step.fused:
-                self.state.grow_blocks(request, request.num_tokens)
+                self.state.book.grow_blocks(request, request.num_tokens)
             self._start(lane, step)
             return
         prefill_step = self.steps["prefill"]
@@ -203,15 +203,15 @@ class LanedSimulator:
             return
         plan = self.policy.plan_decode(self._snapshot(now))
         self.split = plan.split
-        self.state.apply_preemptions(plan.preempted)
+        self.state.book.preempt(plan.preempted)
         units = plan.split.decode or self.total
         if not plan.decode or plan.split.decode == 0 or not self._fits(lane, units):
             self._wait(lane, now, time_dependent=bool(plan.decode))
             return
-        by_id = {r.request_id: r for r in self.state.running}
+        by_id = {r.request_id: r for r in self.state.book.running}
         requests = [by_id[s.request_id] for s in plan.decode]
         for request in requests:
-            self.state.grow_blocks(request, request.num_tokens)
+            self.state.book.grow_blocks(request, request.num_tokens)
         self._start(lane, LaneStep(requests, units, self.noise.factor(), now, plan.split))
 
     def _fits(self, lane: str, units: int) -> bool:
@@ -221,11 +221,9 @@ class LanedSimulator:
         return self.policy.partition == "none" or other is None or units + other.units <= self.total
 
     def _admit(self, admitted: tuple[str, ...]) -> None:
-        ids = set(admitted)
-        requests = [r for r in self.state.waiting if r.request_id in ids]
+        requests = self.state.book.take_waiting(admitted)
         for request in requests:
-            self.state.waiting.remove(request)
-            self.state.grow_blocks(request, request.num_tokens)
+            self.state.book.grow_blocks(request, request.num_tokens)
         self.prefill_batch = requests
         self.layers_done = 0
 
@@ -352,7 +350,7 @@ class LanedSimulator:
         batch, self.prefill_batch = self.prefill_batch or [], None
         for request in batch:
             request.num_computed_tokens = request.num_tokens
-            self.state.running.append(request)
+            self.state.book.running.append(request)
             if not request.token_times:  # not a recomputation after preemption
                 self.window.first_token(now - request.arrival, request.input_len)
             if self.state.append_token(request, now):

@@ -18,7 +18,7 @@ class SimRequest:
     input_len: int
     output_len: int  # tokens it generates (max_tokens with ignore_eos)
     num_computed_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finished_at: float | None = None
     error: str | None = None
@@ -28,6 +28,10 @@ class SimRequest:
 
     def __post_init__(self) -> None:
         self.num_tokens = self.input_len + len(self.token_times)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
 
     def add_token(self, now: float) -> None:
         self.token_times.append(now)
@@ -40,13 +44,13 @@ class SimRequest:
             v is None
             or v.num_tokens != self.num_tokens
             or v.num_computed_tokens != self.num_computed_tokens
-            or v.num_blocks != len(self.blocks)
+            or v.num_blocks != len(self.block_table)
         ):
             v = self._view = SeqView(
                 self.request_id,
                 self.arrival,
                 self.num_tokens,
                 self.num_computed_tokens,
-                len(self.blocks),
+                len(self.block_table),
             )
         return v

@@ -191,7 +191,7 @@ def simulate_requests(
         end = run_single_lane(
             state, policy, env.perf, noise, config.max_num_seqs, config.max_num_batched_tokens
         )
-    if state.allocator.num_free != state.allocator.num_blocks:
+    if state.book.allocator.num_free != state.book.allocator.num_blocks:
         raise RuntimeError("KV blocks leaked: the pool is not empty after the run")
     duration = max(end, max(arrivals, default=0.0), 1e-9)
     return run_result(requests, rate, config.burstiness, duration, config.slo)

@@ -1,15 +1,14 @@
-"""Bookkeeping shared by both executors: queues, KV blocks, tokens, finishing, the step log.
-
-Each method mirrors the engine's method of the same role (`LLMEngine._apply_preemptions`,
-`_grow_blocks`, `_append_token`, `_finish`), with simulated time for the wall clock.
-"""
+"""What the simulated engine holds: the requests still to arrive, the request book (queues and
+KV blocks, `executor.book`, the engine's own), tokens and finishing on simulated time, and the
+step log."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TextIO
 
+from bulletserve.executor.book import RequestBook
 from bulletserve.executor.record import StepRecord, write_step
 from bulletserve.kv.allocator import BlockAllocator
 from bulletserve.sim.request import SimRequest
@@ -26,12 +25,8 @@ class SimState:
     ) -> None:
         self.requests = list(requests)
         self._pending = deque(sorted(self.requests, key=lambda r: (r.arrival, r.index)))
-        self.allocator = BlockAllocator(num_blocks)
-        self.block_size = block_size
+        self.book: RequestBook[SimRequest] = RequestBook(BlockAllocator(num_blocks), block_size)
         self.max_model_len = max_model_len
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.num_preemptions = 0
         self.num_steps = 0
         self.step_log = step_log
 
@@ -53,37 +48,14 @@ class SimState:
                     f"{self.max_model_len}, which leaves no room for output"
                 )
                 continue
-            self.waiting.append(request)
+            self.book.waiting.append(request)
         return arrived
 
     @property
     def unfinished(self) -> bool:
-        return bool(self._pending or self.waiting or self.running)
+        return bool(self._pending or self.book.waiting or self.book.running)
 
-    # ---- the engine's bookkeeping -------------------------------------------------------------
-
-    def apply_preemptions(self, request_ids: Iterable[str]) -> None:
-        ids = set(request_ids)
-        if not ids:
-            return
-        preempted = [r for r in self.running if r.request_id in ids]
-        for request in preempted:
-            self.running.remove(request)
-            self.release_blocks(request)
-            request.num_computed_tokens = 0
-            request.num_preemptions += 1
-            self.num_preemptions += 1
-        self.waiting.extendleft(reversed(preempted))
-
-    def grow_blocks(self, request: SimRequest, num_tokens: int) -> None:
-        need = -(-num_tokens // self.block_size) - len(request.blocks)
-        if need > 0:
-            request.blocks.extend(self.allocator.allocate(need))
-
-    def release_blocks(self, request: SimRequest) -> None:
-        if request.blocks:
-            self.allocator.free(request.blocks)
-            request.blocks = []
+    # ---- tokens and finishing -----------------------------------------------------------------
 
     def append_token(self, request: SimRequest, now: float) -> bool:
         """Record a sampled token; finish the request when it has all its output (the bench
@@ -92,23 +64,19 @@ class SimState:
         if len(request.token_times) >= request.output_len or request.num_tokens >= (
             self.max_model_len
         ):
-            self.finish(request, now)
+            request.finished_at = now
+            self.book.finish(request)
             return True
         return False
 
-    def finish(self, request: SimRequest, now: float) -> None:
-        request.finished_at = now
-        if request in self.running:
-            self.running.remove(request)
-        self.release_blocks(request)
-
     def fail_unfinished(self, reason: str) -> None:
         """End a run that cannot progress: every request still queued or running fails."""
-        for request in [*self.waiting, *self.running, *self._pending]:
+        book = self.book
+        for request in [*book.waiting, *book.running, *self._pending]:
             request.error = reason
-            self.release_blocks(request)
-        self.waiting.clear()
-        self.running.clear()
+            book.release_blocks(request)
+        book.waiting.clear()
+        book.running.clear()
         self._pending.clear()
 
     def log_step(self, record: StepRecord) -> None:

@@ -1,0 +1,79 @@
+"""One single-lane step's bookkeeping, as the engine (`LLMEngine.step`) and the simulator
+(`sim.single`) both carry a policy's `StepPlan` out: preemptions, admissions, KV blocks, which
+rows are prompt chunks and which decode rows, and after the step the computed tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic
+
+from bulletserve.executor.book import E, RequestBook
+from bulletserve.executor.record import StepLane
+from bulletserve.sched.base import SchedulerSnapshot, StepPlan
+
+
+def scheduler_snapshot(
+    book: RequestBook, now: float, max_num_seqs: int, max_num_batched_tokens: int
+) -> SchedulerSnapshot:
+    return SchedulerSnapshot(
+        now=now,
+        waiting=book.waiting_views(),
+        running=book.running_views(),
+        free_blocks=book.allocator.num_free,
+        block_size=book.block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+
+
+@dataclass
+class SingleStep(Generic[E]):
+    """The requests a step computes and how many tokens each, in the plan's order (none: the
+    plan scheduled nothing); the prompt chunks as (new tokens, tokens cached before them) and
+    the decode rows' contexts after the step, as `perf.state.fused_step_state` takes them; and
+    the requests the plan preempted."""
+
+    batch: list[tuple[E, int]]
+    preempted: list[E] = field(default_factory=list)
+    prefill: list[tuple[int, int]] = field(default_factory=list)
+    decode_ctx: list[int] = field(default_factory=list)
+
+    @property
+    def lane(self) -> StepLane:
+        if not self.prefill:
+            return "decode"
+        return "hybrid" if self.decode_ctx else "prefill"
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for n, _ in self.prefill)
+
+    def sampled(self) -> list[E]:
+        """After `end_single_step`: the requests whose next token is to be sampled, in the
+        step's order."""
+        return [r for r, _ in self.batch if r.num_computed_tokens == r.num_tokens]
+
+
+def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
+    """Apply the plan's preemptions and admissions and give every scheduled request blocks for
+    its tokens."""
+    preempted = book.preempt(plan.preempted)
+    book.admit(plan.admitted)
+    by_id = {r.request_id: r for r in book.running}
+    batch = [(by_id[s.request_id], s.num_tokens) for s in plan.scheduled]
+    step: SingleStep[E] = SingleStep(batch, preempted)
+    for request, num in step.batch:
+        book.grow_blocks(request, request.num_computed_tokens + num)
+        # A decode row feeds back its last sampled token; anything else is a prompt chunk (a
+        # recomputation after preemption included).
+        if request.num_output_tokens and request.num_computed_tokens == request.num_tokens - 1:
+            step.decode_ctx.append(request.num_tokens)
+        else:
+            step.prefill.append((num, request.num_computed_tokens))
+    return step
+
+
+def end_single_step(step: SingleStep[E]) -> None:
+    """Count the tokens the step computed."""
+    for request, num in step.batch:
+        request.num_computed_tokens += num
