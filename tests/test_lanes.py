@@ -260,15 +260,14 @@ def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
     assert len(engine.running) == 3
     engine.add_request(random_prompts(1, seed=25)[0], GREEDY)
     with engine._state:
-        decode_view = engine.policy.plan_decode(engine._snapshot())
-        assert decode_view.split.decode > 0 and decode_view.split.prefill > 0
+        decode_plan = engine._plan("decode")
+        assert decode_plan.split.decode > 0 and decode_plan.split.prefill > 0
         # The decode lane starts its step on its share of the units...
-        engine.book.busy.update(r.request_id for r in engine.running)
-        engine._computing["decode"] = engine._share("decode", decode_view.split)
+        engine.core.start_decode(decode_plan)
         # ...and the prefill lane plans meanwhile: the same split, which it can start at once.
-        prefill_view = engine.policy.plan_prefill(engine._snapshot())
-        assert prefill_view.split == decode_view.split
-        assert engine._may_start("prefill", prefill_view.split)
+        prefill_plan = engine._plan("prefill")
+        assert prefill_plan.split == decode_plan.split
+        assert engine.core.runnable("prefill", prefill_plan)
 
 
 def test_partition_flag_parsing():

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
@@ -28,18 +28,16 @@ from bulletserve.engine.request import Request, RequestOutput, RequestState, Tok
 from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.executor.lanes import LaneCore, LaneStep
 from bulletserve.executor.record import Lane, StepRecord, write_step
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel
 from bulletserve.perf.profiler import DTYPE_NAMES, PLANS, measure_device
-from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
+    BulletPlan,
     BulletPolicy,
-    BulletSnapshot,
-    PrefillInFlight,
-    PrefillStep,
     Slo,
     Split,
     UnitSpace,
@@ -50,25 +48,14 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-IDLE_WAIT_S = 0.005
-
 
 @dataclass
-class PrefillBatch:
-    """The prefill lane's batch: prompts (plus tokens to recompute after preemption) that it
-    computes in passes over the layers, a pass taking every prompt's rest or a chunk of the
-    batch's one prompt; the prompts join the decode lane after the pass that completes them.
-    Per pass: the device batch, each prompt's tokens in it and in the cache before it, and the
-    decoding requests whose next token rides in its step (the fused rules)."""
+class DevicePass:
+    """The device side of the prefill batch's current pass: its inputs, and the hidden states
+    after the layers run so far."""
 
-    requests: list[Request]
-    batch: StepBatch | None = None
+    batch: StepBatch
     hidden: torch.Tensor | None = None
-    layers_done: int = 0
-    stepping: bool = False  # a step of it is running (or its bookkeeping not yet done)
-    pass_tokens: tuple[int, ...] = ()
-    pass_cached: tuple[int, ...] = ()
-    fused: list[Request] = field(default_factory=list)
 
 
 class LanedEngine(LLMEngine):
@@ -81,12 +68,13 @@ class LanedEngine(LLMEngine):
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
         self._unhanded = 0  # outputs emitted and not yet reported handed off
         self._taken = 0  # outputs the last `step()` calls returned, not yet reported
-        self._prefill: PrefillBatch | None = None
-        self._computing = {"prefill": 0, "decode": 0}  # units each lane's running step holds
-        self.split = Split(0, self.units.total, "no-prefill")
+        config = self.config
+        self.core: LaneCore[Request] = LaneCore(
+            self.book, self.policy, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self._pass: DevicePass | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._latency = self.policy.latency_window()
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
         self.lane_error: BaseException | None = None
         # The decode lane samples inside its step, on the step's units and outside the state
@@ -123,7 +111,7 @@ class LanedEngine(LLMEngine):
         )
 
     def _thread_counts(self) -> list[int]:
-        """Every thread count a lane's step may run on (`_share`): the whole CPU, and under
+        """Every thread count a lane's step may run on (`LaneCore.share`): the whole CPU, and under
         `auto` any carved group, under `static:P/D` P and what P leaves."""
         total = self.units.total
         if self.policy.partition == "none":
@@ -166,12 +154,18 @@ class LanedEngine(LLMEngine):
     def has_unfinished(self) -> bool:
         """Work left, or outputs the lanes produced that `step()` has not returned yet."""
         with self._state:
-            pending = self._prefill is not None or not self._outputs.empty()
+            pending = self.core.prefill is not None or not self._outputs.empty()
             return pending or super().has_unfinished()
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + (len(self._prefill.requests) if self._prefill else 0)
+        prefill = self.core.prefill
+        return len(self.running) + (len(prefill.requests) if prefill else 0)
+
+    @property
+    def split(self) -> Split:
+        """The split in force."""
+        return self.core.split
 
     def lane_units(self) -> dict[str, tuple[int, float | None]]:
         split = self.split
@@ -246,29 +240,11 @@ class LanedEngine(LLMEngine):
 
     # ---- shared bookkeeping (state lock held) -----------------------------------------------
 
-    def _snapshot(self) -> BulletSnapshot:
+    def _plan(self, lane: Lane) -> BulletPlan:
+        """Take in new requests and aborts, then the lane's plan (its split comes into force)."""
         for output in self._drain_inbox():
             self._emit(output)
-        prefill = None
-        if self._prefill is not None:
-            views = tuple(r.view() for r in self._prefill.requests)
-            prefill = PrefillInFlight(views, self._prefill.layers_done, self._prefill.stepping)
-        return BulletSnapshot(
-            now=time.monotonic(),
-            waiting=self.book.waiting_views(),
-            prefill=prefill,
-            # Every decoding request, those in the decode lane's running step too: the prefill
-            # lane must see that decode has work, or its split would claim the decode lane's
-            # units and wait for them while decode keeps stepping.
-            decoding=self.book.running_views(),
-            free_blocks=self.pool.allocator.num_free,
-            block_size=self.pool.block_size,
-            max_num_seqs=self.config.max_num_seqs,
-            max_prefill_tokens=self.config.max_num_batched_tokens,
-            stats=self._latency.stats(),
-            split=self.split,
-            corrections=self.perf.corrections,
-        )
+        return self.core.plan(lane, time.monotonic(), self.perf.corrections)
 
     def _finish(
         self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
@@ -277,7 +253,7 @@ class LanedEngine(LLMEngine):
         t = request.timings
         if state is RequestState.FINISHED and t.first_token is not None:
             outputs = len(request.output_token_ids)
-            self._latency.finished(
+            self.core.window.finished(
                 (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
             )
 
@@ -306,113 +282,46 @@ class LanedEngine(LLMEngine):
                 return
             self._state.wait(left)
 
-    def _has_work(self, lane: str) -> bool:
-        """Whether the lane has anything to plan: requests or aborts to take in, a prompt to
-        prefill (prefill lane), sequences to decode (decode lane)."""
-        if lane == "prefill":
-            return bool(self._inbox or self._aborts or self.waiting) or self._prefill is not None
-        return bool(self.running)
+    def _wait(self, lane: Lane) -> None:
+        """Sleep until notified (a request arrives or leaves, a step ends, units free up) or for
+        the core's wait (`LaneCore.wait_s`)."""
+        pending = bool(self._inbox or self._aborts)
+        self._state.wait(timeout=self.core.wait_s(lane, pending))
 
-    def _wait(self, lane: str) -> None:
-        """Sleep until notified (a request arrives or leaves, a step ends, units free up). Poll
-        quickly only while the lane holds back work of its own and the other lane leaves it
-        units to start on (its plan may change with time: a prompt comes at risk). While the
-        other lane's step holds every unit nothing can start before that step ends, which
-        notifies; a lane that planned every few ms meanwhile would take the GIL and a core from
-        the compute threads (0.5 ms of Python every 5 ms on another thread slowed a 2-thread
-        decode step 7-9%: `git show 23ed970:scripts/poll_cost.py`)."""
-        other = "decode" if lane == "prefill" else "prefill"
-        blocked = self.policy.partition != "none" and self._computing[other] >= self.units.total
-        poll = self._has_work(lane) and not blocked
-        self._state.wait(timeout=IDLE_WAIT_S if poll else 0.5)
-
-    def _share(self, lane: str, split: Split) -> int:
-        """The units a lane's step runs on under `split`: prefill on its units, decode on the
-        rest; with no prefill units (or no partitioning) a lane has the whole device."""
-        if self.policy.partition == "none" or split.prefill == 0:
-            return self.units.total
-        return split.prefill if lane == "prefill" else self.units.total - split.prefill
-
-    def _may_start(self, lane: str, split: Split) -> bool:
-        """Whether the lane's step fits beside the other lane's running step. A step keeps its
-        units until it ends: a lane that the new split gives more waits for them rather than
-        oversubscribing the device (on a CPU two thread teams on one core stall each other at
-        every barrier). Without partitioning, both lanes share every unit by design."""
-        if self.policy.partition == "none":
-            return True
-        other = "decode" if lane == "prefill" else "prefill"
-        return self._share(lane, split) + self._computing[other] <= self.units.total
-
-    def _on_units(self, lane: str, split: Split, step: Callable[[], T]) -> T:
-        """Run `step()` on the lane's share (claimed in `_computing` under the state lock when
-        the step was planned), and release the share when it ends."""
-        share = self._share(lane, split)
+    def _on_units(self, step: LaneStep[Request], work: Callable[[], T]) -> T:
+        """Run `work()` on the step's units (claimed in the core under the state lock when the
+        step started), and release them when it ends."""
         try:
-            if lane == "decode" and share < self.units.total:
+            if step.lane == "decode" and step.units < self.units.total:
                 # The units the prefill group leaves (on a GPU, the disjoint remainder).
-                return self.units.run(split.prefill, step, rest=True)
-            return self.units.run(share, step)
+                return self.units.run(step.split.prefill, work, rest=True)
+            return self.units.run(step.units, work)
         finally:
             with self._state:
-                self._computing[lane] = 0
+                self.core.release_units(step.lane)
                 self._state.notify_all()
 
-    def _execution_state(
-        self,
-        split: Split,
-        prefill_lens: tuple[int, ...],
-        prefill_cached: tuple[int, ...],
-        decode_ctx: tuple[int, ...],
-        layer_start: int = 0,
-        layer_end: int | None = None,
-    ) -> ExecutionState:
-        """What ran while this lane stepped, as the performance model describes it."""
-        total = self.units.total
-        shared = self.policy.partition == "none"
-        prefill_on = bool(prefill_lens) and (split.prefill > 0 or shared)
-        decode_on = bool(decode_ctx) and (split.decode > 0 or shared)
-        end = self.model_config.num_layers if layer_end is None else layer_end
-        return ExecutionState(
-            prefill_lens=prefill_lens if prefill_on else (),
-            prefill_cached=prefill_cached if prefill_on and any(prefill_cached) else (),
-            prefill_units=(split.prefill or total) if prefill_on else 0,
-            decode_ctx=decode_ctx if decode_on else (),
-            decode_units=(split.decode or total) if decode_on else 0,
-            prefill_layers=end - layer_start,
-            prefill_first_layer=layer_start,
-        )
-
-    def _log_step(
-        self,
-        lane: Lane,
-        split: Split,
-        es: ExecutionState,
-        measured: float,
-        *,
-        batch_size: int,
-        prefill_tokens: int,
-        decode_rows: int,
-        runner_s: float,
-        layers: tuple[int, int] | None = None,
-    ) -> None:
-        """Feed the online correction and write the step log; `split` is the one the step ran
-        under (the other lane may have planned a new one since)."""
+    def _log_step(self, step: LaneStep[Request], measured: float, runner_s: float) -> None:
+        """Feed the online correction and write the step log: what ran when the step started,
+        under the split it started under (the other lane may have planned a new one since)."""
+        es, lane = step.state, step.lane
         prediction = self.perf.predict(es)
         predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
         self.perf.observe(es, lane, measured)
         if predicted > 0:
             self.prediction_error[lane] = abs(predicted / measured - 1)
         if self._step_log:
+            prefill = lane == "prefill"
             record = StepRecord(
                 time=time.monotonic(),
                 lane=lane,
-                split=(split.prefill, split.decode),
-                rule=split.rule,
-                units=self._share(lane, split),
-                batch_size=batch_size,
-                prefill_tokens=prefill_tokens,
-                decode_rows=decode_rows,
-                layers=layers,
+                split=(step.split.prefill, step.split.decode),
+                rule=step.split.rule,
+                units=step.units,
+                batch_size=len(step.requests),
+                prefill_tokens=sum(step.lengths) if prefill else 0,
+                decode_rows=len(step.fused) if prefill else len(step.requests),
+                layers=step.layers if prefill else None,
                 state=es,
                 predicted_s=predicted,
                 measured_s=measured,
@@ -424,88 +333,76 @@ class LanedEngine(LLMEngine):
     # ---- the prefill lane -------------------------------------------------------------------
 
     def _prefill_lane(self) -> None:
+        core = self.core
         while not self._stop.is_set():
             with self._state:
                 self._await_handoff()
-                if not self._has_work("prefill"):
+                if not core.has_work("prefill", pending=bool(self._inbox or self._aborts)):
                     self._wait("prefill")
                     continue
-                plan = self.policy.plan_prefill(self._snapshot())
-                self.split = plan.split
-                if (
-                    plan.prefill is None
-                    or plan.split.prefill == 0
-                    or not self._may_start("prefill", plan.split)
-                ):
+                plan = self._plan("prefill")
+                if not core.runnable("prefill", plan):
                     self._wait("prefill")
                     continue
-                self._computing["prefill"] = self._share("prefill", plan.split)
+                step = core.start_prefill(plan)
+                assert plan.prefill is not None
                 if plan.prefill.admitted:
-                    self._admit(plan.prefill.admitted)
-                batch = self._prefill
-                batch.stepping = True
-                if plan.prefill.layer_start == 0:
-                    self._begin_pass(batch, plan.prefill)
+                    now = time.monotonic()
+                    for request in step.requests:
+                        request.state = RequestState.PREFILLING
+                        if request.timings.first_scheduled is None:
+                            request.timings.first_scheduled = now
+                if step.layers[0] == 0:
+                    self._pass = DevicePass(self.runner.prepare(self._pass_works(step)))
+                device_pass = self._pass
             start = time.perf_counter()
             hidden, logits, runner_s = self._on_units(
-                "prefill", plan.split, partial(self._prefill_step, batch, plan.prefill)
+                step, partial(self._prefill_step, device_pass, step)
             )
             measured = time.perf_counter() - start
             with self._state:
-                batch.hidden, batch.layers_done = hidden, plan.prefill.layer_end
-                batch.stepping = False
-                if batch.fused:
-                    es, _ = fused_step_state(
-                        list(zip(batch.pass_tokens, batch.pass_cached, strict=True)),
-                        [r.num_tokens for r in batch.fused],
-                        self.units.total,
-                    )
-                else:
-                    es = self._execution_state(
-                        plan.split,
-                        batch.pass_tokens,
-                        batch.pass_cached,
-                        tuple(r.num_tokens for r in self.running),
-                        plan.prefill.layer_start,
-                        plan.prefill.layer_end,
-                    )
-                self._log_step(
-                    "prefill",
-                    plan.split,
-                    es,
-                    measured,
-                    batch_size=len(batch.requests),
-                    prefill_tokens=sum(batch.pass_tokens),
-                    decode_rows=len(batch.fused),
-                    layers=(plan.prefill.layer_start, plan.prefill.layer_end),
-                    runner_s=runner_s,
-                )
-                if plan.prefill.layer_end == self.model_config.num_layers:
-                    self._end_pass(batch, logits)
+                device_pass.hidden = hidden
+                core.end_step("prefill")
+                self._log_step(step, measured, runner_s)
+                if step.layers[1] == self.model_config.num_layers:
+                    self._end_pass(device_pass, logits)
                 self._state.notify_all()
+
+    def _pass_works(self, step: LaneStep[Request]) -> list[SeqWork]:
+        """The device batch of a pass: each prompt's tokens in it (its rest, or the step's
+        chunk of the one prompt) on top of those cached, then the fused decode rows."""
+        works = [
+            SeqWork(
+                request.token_ids(cached, cached + tokens),
+                cached,
+                request.block_table,
+                cached + tokens == request.num_tokens,
+            )
+            for request, cached, tokens in zip(
+                step.requests, step.cached, step.lengths, strict=True
+            )
+        ]
+        return works + [_decode_work(r) for r in step.fused]
 
     @torch.inference_mode()
     def _prefill_step(
-        self, batch: PrefillBatch, step: PrefillStep
+        self, device_pass: DevicePass, step: LaneStep[Request]
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """The layer group's hidden states, the logits when it was the last group and a row
         samples, and the seconds the model took (on the thread that ran it, without the
         hand-off to it)."""
         start = time.perf_counter()
-        hidden = batch.hidden
+        batch = device_pass.batch
+        hidden = device_pass.hidden
         if hidden is None:
-            hidden = self.model.embed(batch.batch.input_ids)
+            hidden = self.model.embed(batch.input_ids)
+        first, last = step.layers
         hidden = self.model.run_layers(
-            hidden,
-            batch.batch.positions,
-            self.pool.layers,
-            batch.batch.meta,
-            step.layer_start,
-            step.layer_end,
+            hidden, batch.positions, self.pool.layers, batch.meta, first, last
         )
         logits = None
-        if step.layer_end == self.model_config.num_layers and batch.batch.sampling_order:
-            logits = self.runner.logits(hidden, batch.batch)
+        if last == self.model_config.num_layers and batch.sampling_order:
+            logits = self.runner.logits(hidden, batch)
         self.units.synchronize()  # the step's device time, not its launch time
         return hidden, logits, time.perf_counter() - start
 
@@ -525,148 +422,60 @@ class LanedEngine(LLMEngine):
         )
         return list(zip(tokens, logprobs, strict=True)), runner_s
 
-    def _admit(self, admitted: tuple[str, ...]) -> None:
-        """Move the admitted prompts from the queue into a new batch, with KV for all of them.
-        The whole batch counts as busy until its prefill ends: an abort between layer groups
-        or chunks must not free blocks a later step writes."""
-        requests = self.book.take_waiting(admitted)
-        for request in requests:
-            self.book.grow_blocks(request, request.num_tokens)
-            request.state = RequestState.PREFILLING
-            if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = time.monotonic()
-        self._prefill = PrefillBatch(requests)
-        self.book.busy.update(r.request_id for r in requests)
-
-    def _begin_pass(self, batch: PrefillBatch, step: PrefillStep) -> None:
-        """Prepare the device batch of a pass: each prompt's rest (or the step's chunk of the
-        one prompt), and the decoding requests fused into the step."""
-        works = []
-        for request in batch.requests:
-            start = request.num_computed_tokens
-            end = request.num_tokens if step.chunk is None else start + step.chunk
-            works.append(
-                SeqWork(
-                    request.token_ids(start, end),
-                    start,
-                    request.block_table,
-                    end == request.num_tokens,
-                )
-            )
-        batch.pass_tokens = tuple(len(w.token_ids) for w in works)
-        batch.pass_cached = tuple(w.start for w in works)
-        by_id = {r.request_id: r for r in self.running}
-        batch.fused = [by_id[s.request_id] for s in step.decode]
-        for request in batch.fused:
-            self.book.grow_blocks(request, request.num_tokens)
-        works += [_decode_work(r) for r in batch.fused]
-        self.book.busy.update(r.request_id for r in batch.fused)
-        batch.batch, batch.hidden = self.runner.prepare(works), None
-
-    def _end_pass(self, batch: PrefillBatch, logits: torch.Tensor | None) -> None:
+    def _end_pass(self, device_pass: DevicePass, logits: torch.Tensor | None) -> None:
         """After a pass's last layer: sample the first tokens of the prompts it completed (and
-        the fused decode rows' next ones); those prompts join the decode lane. A prompt with
-        chunks to go stays in the lane, unless it was aborted."""
-        step_batch, fused = batch.batch, batch.fused
-        for request, cached, tokens in zip(
-            batch.requests, batch.pass_cached, batch.pass_tokens, strict=True
-        ):
-            request.num_computed_tokens = cached + tokens
-        for request in fused:
-            request.num_computed_tokens = request.num_tokens
-        complete = all(r.num_computed_tokens == r.num_tokens for r in batch.requests)
-        ends = complete or all(r.is_finished for r in batch.requests)
-        members = batch.requests + fused  # in the order of the step's works
-        leaving = members if ends else fused
-        self.book.busy.difference_update(r.request_id for r in leaving)
-        if ends:
-            self._prefill = None
-        else:
-            batch.layers_done, batch.batch, batch.hidden, batch.fused = 0, None, None, []
-        live: list[tuple[int, Request]] = []
-        for work, request in enumerate(members):
-            if work < len(batch.requests) and not ends:
-                continue
-            if request.is_finished:  # aborted while its step ran: its token is dropped
-                self.book.release_blocks(request)
-            else:
-                live.append((work, request))
-        if not live:
+        the fused decode rows' next ones); those prompts join the decode lane."""
+        ended = self.core.end_pass(lambda request: request.is_finished)
+        if self.core.prefill is None:
+            self._pass = None
+        if not ended.sampled:
             return
         # Logits come in the step's row order (prompts of one token sit with the decode rows).
-        row_of = {work: row for row, work in enumerate(step_batch.sampling_order)}
-        requests = [request for _, request in live]
+        row_of = {work: row for row, work in enumerate(device_pass.batch.sampling_order)}
+        requests = ended.sampled
         tokens, logprobs = self.sampler.sample(
-            logits[[row_of[work] for work, _ in live]], requests, [r.stop_ids for r in requests]
+            logits[[row_of[work] for work in ended.rows]],
+            requests,
+            [r.stop_ids for r in requests],
         )
         now = time.monotonic()
-        for (work, request), token, logprob in zip(live, tokens, logprobs, strict=True):
-            if work < len(batch.requests):  # a prompt: it joins the decode lane
-                self.running.append(request)
-                if not request.output_token_ids:  # not a recomputation after preemption
-                    ttft = now - request.timings.arrival
-                    self._latency.first_token(ttft, len(request.prompt_token_ids))
+        for request in ended.joined:
+            if not request.output_token_ids:  # not a recomputation after preemption
+                ttft = now - request.timings.arrival
+                self.core.window.first_token(ttft, len(request.prompt_token_ids))
+        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
             self._append_token(request, token, logprob, now)
         self._publish(requests)
 
     # ---- the decode lane --------------------------------------------------------------------
 
     def _decode_lane(self) -> None:
+        core = self.core
         while not self._stop.is_set():
             with self._state:
                 self._await_handoff()
-                # While a prefill step carries the decode rows, nothing here may change them
-                # (a preemption would take a request out from under that step).
-                fusing = self._prefill is not None and bool(self._prefill.fused)
-                if fusing or not self._has_work("decode"):
+                if core.decode_paused() or not core.has_work("decode"):
                     self._wait("decode")
                     continue
-                plan = self.policy.plan_decode(self._snapshot())
-                self.split = plan.split
+                plan = self._plan("decode")
                 for request in self.book.preempt(plan.preempted):
                     request.state = RequestState.WAITING
-                if (
-                    not plan.decode
-                    or plan.split.decode == 0
-                    or not self._may_start("decode", plan.split)
-                ):
+                if not core.runnable("decode", plan):
                     self._wait("decode")
                     continue
-                self._computing["decode"] = self._share("decode", plan.split)
-                by_id = {r.request_id: r for r in self.running}
-                requests = [by_id[s.request_id] for s in plan.decode]
-                for request in requests:
-                    self.book.grow_blocks(request, request.num_tokens)
-                works = [_decode_work(r) for r in requests]
-                self.book.busy.update(r.request_id for r in requests)
-                prefill_lens, prefill_cached = (), ()
-                if self._prefill is not None:
-                    prefill_lens = self._prefill.pass_tokens
-                    prefill_cached = self._prefill.pass_cached
+                step = core.start_decode(plan)
+                works = [_decode_work(r) for r in step.requests]
             start = time.perf_counter()
             sampled, runner_s = self._on_units(
-                "decode", plan.split, partial(self._decode_step, works, requests)
+                step, partial(self._decode_step, works, step.requests)
             )
             measured = time.perf_counter() - start
             with self._state:
-                self.book.busy.difference_update(r.request_id for r in requests)
-                es = self._execution_state(
-                    plan.split, prefill_lens, prefill_cached, tuple(r.num_tokens for r in requests)
-                )
-                self._log_step(
-                    "decode",
-                    plan.split,
-                    es,
-                    measured,
-                    batch_size=len(requests),
-                    prefill_tokens=0,
-                    decode_rows=len(requests),
-                    runner_s=runner_s,
-                )
+                core.end_step("decode")
+                self._log_step(step, measured, runner_s)
                 alive = []
                 now = time.monotonic()
-                for request, (token, logprob) in zip(requests, sampled, strict=True):
-                    request.num_computed_tokens = request.num_tokens
+                for request, (token, logprob) in zip(step.requests, sampled, strict=True):
                     if request.is_finished:  # aborted while its step ran: its token is dropped
                         self.book.release_blocks(request)
                     else:
