@@ -242,7 +242,7 @@ def main() -> None:
         type=int,
         default=1,
         help="with --interleave: run every rate against every configuration this many times "
-        "(the same requests; scripts/lanes_report.py then reports medians over the repeats)",
+        "(the same requests; `bullet bench table` then reports medians over the repeats)",
     )
     parser.add_argument(
         "--profile-each-run",
@@ -251,7 +251,7 @@ def main() -> None:
         choices=("quick", "full"),
         help="with --interleave: a `bullet profile` (quick unless `full`: about 30 s or 80 s "
         "on 2 cores) before every run, saved beside it as LABEL.rate-R.profile.json (for "
-        "scripts/sim_fidelity.py --profile-per-run)",
+        "python -m bulletserve.sim.fidelity --profile-per-run)",
     )
     args = parser.parse_args()
     if args.profile_each_run and not args.interleave:
@@ -259,7 +259,7 @@ def main() -> None:
     if args.repeats < 1 or (args.repeats > 1 and not args.interleave):
         parser.error("--repeats takes a positive count, and more than 1 needs --interleave")
     if args.repeats > 1 and args.profile_each_run:
-        parser.error("--profile-each-run takes one run per rate (sim_fidelity.py matches by rate)")
+        parser.error("--profile-each-run takes one run per rate (the fidelity replay matches by rate)")
     args.out.mkdir(parents=True, exist_ok=True)
     iso_path = args.out / "isolated.json"
     if not iso_path.exists():
@@ -284,7 +284,7 @@ def main() -> None:
             files.append(run_config(label, CONFIGS[label], args, slo))
             print(f"{label}: {time.time() - started:.0f} s", flush=True)
     if args.repeats > 1:  # `bullet bench compare` would show one run per rate
-        print(f"medians over the repeats: scripts/lanes_report.py {' '.join(map(str, files))}")
+        print(f"medians over the repeats: bullet bench table {' '.join(map(str, files))}")
         return
     cli = [sys.executable, "-m", "bulletserve.cli", "bench"]
     print(

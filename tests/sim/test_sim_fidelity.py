@@ -1,31 +1,20 @@
-"""scripts/sim_fidelity.py: replaying a run on the profile that produced it differs by nothing."""
+"""bulletserve.sim.fidelity: replaying a run on the profile that produced it differs by
+nothing."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from bulletserve.bench.metrics import SLO
 from bulletserve.perf.hardware import load_preset
+from bulletserve.sim import fidelity
 from bulletserve.sim.runner import SimConfig, simulate
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "sim_fidelity.py"
 FIXTURES = Path(__file__).parents[1] / "fixtures"
-
-
-def _script():
-    if str(SCRIPT.parent) not in sys.path:  # as when run: it imports its neighbours
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("sim_fidelity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _cpu_profile(tmp_path: Path) -> Path:
@@ -69,7 +58,7 @@ def test_replaying_a_run_on_its_own_profile_matches(tmp_path, capsys, policy, ch
     measured.save(measured_path)
     argv = [str(measured_path), "--profile", str(profile), "--noise", "0"]
     argv += ["--num-gpu-blocks-override", "4000", "--out-dir", str(tmp_path / "sim")]
-    assert _script().main(argv) == 0
+    assert fidelity.main(argv) == 0
     out = capsys.readouterr().out
     assert "largest difference 0.0%" in out and "mean TPOT ms" in out
     assert (tmp_path / "sim" / f"sim-{label}.json").exists()
@@ -101,7 +90,7 @@ def test_group_takes_medians_over_repeated_runs_and_their_spread(tmp_path, capsy
         dataclasses.replace(exact, label="chunked-256", runs=runs).save(path)
         paths.append(str(path))
     argv = [*paths, "--group", "--profile", str(profile), "--noise", "0"]
-    assert _script().main(argv + ["--num-gpu-blocks-override", "4000"]) == 1
+    assert fidelity.main(argv + ["--num-gpu-blocks-override", "4000"]) == 1
     out = capsys.readouterr().out
     ttft = next(line for line in out.splitlines() if "mean TTFT ms" in line)
     # The median run is 1.2x the simulation; the runs spread 2.0 / 1.0 - 1 = 100%.
@@ -110,7 +99,7 @@ def test_group_takes_medians_over_repeated_runs_and_their_spread(tmp_path, capsy
 
 
 def test_policy_from_label():
-    policy_of = _script().policy_of
+    policy_of = fidelity.policy_of
     assert policy_of("chunked-1024") == ("chunked", 1024)
     assert policy_of("bullet (auto)") == ("bullet", None)
     assert policy_of("prefill-first") == ("prefill-first", None)
@@ -121,7 +110,7 @@ def test_policy_from_label():
 def test_what_if_profile_scales_every_alpha_and_sets_the_overhead():
     source = FIXTURES / "cpu-profile.json"
     original = json.loads(source.read_text())
-    path = Path(_script().what_if_profile(str(source), 1.5, 6.0))
+    path = Path(fidelity.what_if_profile(str(source), 1.5, 6.0))
     scaled = json.loads(path.read_text())
     path.unlink()
     assert scaled["step_overhead_s"] == pytest.approx(0.006)
@@ -141,7 +130,7 @@ def test_isolated_table_sets_each_request_beside_its_lone_prefill(capsys):
 
     isolated = FIXTURES / "bench-cpu-3-isolated.json"
     profile = str(FIXTURES / "cpu-profile.json")
-    _script().isolated_table(isolated, profile, "smollm2-135m", "bfloat16")
+    fidelity.isolated_table(isolated, profile, "smollm2-135m", "bfloat16")
     rows = [line for line in capsys.readouterr().out.splitlines() if line[:3] == "| 1"]
     data = json.loads(isolated.read_text())
     first = next(i for i, (tokens, _) in enumerate(data["requests"]) if str(tokens)[0] == "1")
@@ -182,19 +171,19 @@ def test_profile_per_run_replays_each_run_on_the_profile_taken_before_it(tmp_pat
     measured_path = tmp_path / "bullet.json"
     measured.save(measured_path)
     argv = [str(measured_path), "--profile-per-run", "--noise", "0"]
-    assert _script().main(argv + ["--num-gpu-blocks-override", "4000"]) == 0
+    assert fidelity.main(argv + ["--num-gpu-blocks-override", "4000"]) == 0
     out = capsys.readouterr().out
     assert "largest difference 0.0%" in out and "0 of 6 figures" in out
     # On one profile for both, the slow run's replay is off.
     argv = [str(measured_path), "--profile", str(fast), "--noise", "0"]
-    assert _script().main(argv + ["--num-gpu-blocks-override", "4000"]) == 1
+    assert fidelity.main(argv + ["--num-gpu-blocks-override", "4000"]) == 1
     (tmp_path / "bullet.rate-2.profile.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"bullet.rate-2.profile.json"):
-        _script().main([str(measured_path), "--profile-per-run"])
+        fidelity.main([str(measured_path), "--profile-per-run"])
 
 
 def test_partition_from_label():
-    partition_of = _script().partition_of
+    partition_of = fidelity.partition_of
     assert partition_of("bullet") == "auto"
     assert partition_of("bullet-partition-none") == "none"
     assert partition_of("bullet-static-1-1") == "static:1/1"
@@ -202,8 +191,8 @@ def test_partition_from_label():
     assert partition_of("chunked-512") == "auto"
     assert partition_of("bullet-no-fuse") == "auto"
     assert partition_of("bullet-static-1-1-no-fuse") == "static:1/1"
-    assert not _script().fuses_decode("bullet-no-fuse (replayed)")
-    assert _script().fuses_decode("bullet")
+    assert not fidelity.fuses_decode("bullet-no-fuse (replayed)")
+    assert fidelity.fuses_decode("bullet")
     with pytest.raises(ValueError, match="partition"):
         partition_of("bullet-sideways")
 
@@ -237,8 +226,8 @@ def test_served_speed_replays_a_run_at_its_step_logs_own_speed(tmp_path, capsys)
     measured.save(measured_path)
     argv = [str(measured_path), "--profile", str(fast), "--noise", "0"]
     argv += ["--num-gpu-blocks-override", "4000"]
-    assert _script().main(argv) == 1  # on the fast profile as it is, the replay is off
-    assert _script().main([*argv, "--served-speed"]) == 0
+    assert fidelity.main(argv) == 1  # on the fast profile as it is, the replay is off
+    assert fidelity.main([*argv, "--served-speed"]) == 0
     out = capsys.readouterr().out
     assert "served / predicted steps, prefill 2.00, decode 2.00" in out
     assert "host between steps 3.00 ms + 0.500 ms a row (profile 0.00 + 0.000)" in out
@@ -251,4 +240,4 @@ def test_served_speed_replays_a_run_at_its_step_logs_own_speed(tmp_path, capsys)
         )
     )
     with pytest.raises(SystemExit, match="prefill-first.steps.jsonl:1: not a step-log line"):
-        _script().main([*argv, "--served-speed"])
+        fidelity.main([*argv, "--served-speed"])

@@ -3,6 +3,9 @@
 bullet bench --base-url URL --dataset SPEC --num-prompts N --request-rate R [...]
 bullet bench compare A.json B.json ...
 bullet bench plot A.json B.json ... --out DIR
+bullet bench table A.json B.json ... [--slo BASE,PER_TOKEN,TPOT] [--loose-ttft-factor F]
+bullet bench misses A.json B.json ...
+bullet bench merge --out DIR A.json B.json ...
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         allow_abbrev=False,
     )
     parser.set_defaults(run=run)
-    actions = parser.add_subparsers(dest="bench_action", metavar="{compare,plot}")
+    actions = parser.add_subparsers(
+        dest="bench_action", metavar="{compare,plot,table,misses,merge}"
+    )
     compare = actions.add_parser("compare", help="runs side by side, with ratios to the first")
     compare.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
     plot = actions.add_parser("plot", help="draw the plots of one or more result files")
@@ -38,6 +43,21 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         metavar="PATH",
         help="the server's --step-log: also draw the lane split over time",
     )
+    table = actions.add_parser(
+        "table", help="a sweep's table: attainment, goodput, latency; highest rate at 90%%"
+    )
+    table.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
+    table.add_argument(
+        "--slo", metavar="BASE_MS,PER_TOKEN_MS,TPOT_MS", help="rescore at these TTFT/TPOT SLOs"
+    )
+    table.add_argument("--loose-ttft-factor", type=float, default=2.0, metavar="F")
+    misses = actions.add_parser("misses", help="which SLO each configuration's requests missed")
+    misses.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
+    merge = actions.add_parser(
+        "merge", help="one result per configuration from several sweeps (reruns replace runs)"
+    )
+    merge.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
+    merge.add_argument("--out", type=Path, required=True, metavar="DIR")
 
     target = parser.add_argument_group("server")
     target.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -145,7 +165,37 @@ def run(args: argparse.Namespace) -> int:
             except (OSError, ValueError) as exc:
                 raise CLIError(f"--step-log: {exc}") from None
         return 0
+    if args.bench_action in ("table", "misses", "merge"):
+        return _tables(args)
     return _run_benchmark(args)
+
+
+def _tables(args: argparse.Namespace) -> int:
+    from bulletserve.bench import tables
+
+    if args.bench_action == "merge":
+        try:
+            merged = tables.merge(args.files)
+        except (OSError, ValueError) as exc:
+            raise CLIError(str(exc)) from None
+        args.out.mkdir(parents=True, exist_ok=True)
+        for label, result in merged.items():
+            path = args.out / f"{label}.json"
+            result.save(path)
+            print(f"{path}: {label}, rates {', '.join(f'{r.request_rate:g}' for r in result.runs)}")
+        return 0
+    results = _load_all(args.files)
+    if args.bench_action == "misses":
+        print(tables.misses_table(results))
+        return 0
+    try:
+        slo = tables.parse_slo(args.slo) if args.slo else None
+    except ValueError as exc:
+        raise CLIError(f"--slo: {exc}") from None
+    if not args.loose_ttft_factor > 0:
+        raise CLIError(f"--loose-ttft-factor must be > 0, not {args.loose_ttft_factor}")
+    print(tables.sweep_table(results, slo, args.loose_ttft_factor))
+    return 0
 
 
 def _load_all(paths: list[Path]) -> list:

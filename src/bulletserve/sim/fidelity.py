@@ -1,8 +1,8 @@
 """Simulator fidelity: simulate measured `bullet bench` runs on the measured hardware profile
 and print mean TTFT, mean TPOT and throughput side by side, with relative differences.
 
-python scripts/sim_fidelity.py --profile docs/data/cpu-profile.json \\
-    --model smollm2-135m docs/data/bench-cpu/*.json [--out-dir DIR]
+python -m bulletserve.sim.fidelity --profile PROFILE.json \\
+    --model smollm2-135m SWEEP/*.json [--out-dir DIR]
 
 Each measured run is replayed request for request: the same prompt lengths, output lengths (as
 measured, so early stops count) and arrival times, at the same SLOs. The policy comes from the
@@ -41,11 +41,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from served_vs_profile import runs_of
 
 from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult, load_result
-from bulletserve.executor.record import StepRecord
+from bulletserve.executor.record import StepRecord, read_step_log
 from bulletserve.perf.model import Corrections, StepPrediction
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import parse_partition
@@ -140,6 +139,26 @@ def compare(measured: RunResult, simulated: RunResult) -> list[tuple[str, float,
             continue
         rows.append((name, m, s, s / m - 1))
     return rows
+
+
+# A served sweep's step log holds every run of one configuration: a gap this long between steps
+# separates two runs, and a segment of fewer steps is the server's warm-up request.
+RUN_GAP_S = 10.0
+MIN_RUN_STEPS = 100
+
+
+def runs_of(step_log: Path) -> list[list[StepRecord]]:
+    """The step log's records split at idle gaps; segments too short to be a run dropped."""
+    try:
+        steps = sorted(read_step_log(step_log), key=lambda s: s.time)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    segments: list[list[StepRecord]] = [[]]
+    for step in steps:
+        if segments[-1] and step.time - segments[-1][-1].time > RUN_GAP_S:
+            segments.append([])
+        segments[-1].append(step)
+    return [s for s in segments if len(s) >= MIN_RUN_STEPS]
 
 
 class HostTaxedPerfModel(CachedPerfModel):
