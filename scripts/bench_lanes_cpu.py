@@ -259,7 +259,7 @@ def main() -> None:
     if args.repeats < 1 or (args.repeats > 1 and not args.interleave):
         parser.error("--repeats takes a positive count, and more than 1 needs --interleave")
     if args.repeats > 1 and args.profile_each_run:
-        parser.error("--profile-each-run takes one run per rate (the fidelity replay matches by rate)")
+        parser.error("--profile-each-run takes one run per rate (the replay matches by rate)")
     args.out.mkdir(parents=True, exist_ok=True)
     iso_path = args.out / "isolated.json"
     if not iso_path.exists():
