@@ -32,7 +32,7 @@ from bulletserve.engine.runner import (
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.executor.book import RequestBook
-from bulletserve.executor.record import StepRecord, write_step
+from bulletserve.executor.record import write_step
 from bulletserve.executor.single import (
     SingleStep,
     begin_single_step,
@@ -45,7 +45,6 @@ from bulletserve.model.loader import load_config, load_model, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
 from bulletserve.partition import usable_cores
-from bulletserve.perf.state import fused_step_state
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot
 
@@ -293,19 +292,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's device time, not its launch time
         measured = time.perf_counter() - started
-        units = self._log_units()
-        record = StepRecord(
-            time=time.monotonic(),
-            lane=step.lane,
-            split=(units if step.prefill else 0, units if step.decode_ctx else 0),
-            units=units,
-            batch_size=len(step.batch),
-            prefill_tokens=step.prefill_tokens,
-            decode_rows=len(step.decode_ctx),
-            state=fused_step_state(step.prefill, step.decode_ctx, units)[0],
-            measured_s=measured,
-        )
-        write_step(self._step_log, record)
+        write_step(self._step_log, step.record(time.monotonic(), self._log_units(), measured))
         self._step_log.flush()
 
     def _log_units(self) -> int:

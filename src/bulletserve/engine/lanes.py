@@ -29,7 +29,7 @@ from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.executor.lanes import LaneCore, LaneStep
-from bulletserve.executor.record import Lane, StepRecord, write_step
+from bulletserve.executor.record import Lane, write_step
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
 from bulletserve.perf.hardware import HardwareProfile
@@ -311,23 +311,7 @@ class LanedEngine(LLMEngine):
         if predicted > 0:
             self.prediction_error[lane] = abs(predicted / measured - 1)
         if self._step_log:
-            prefill = lane == "prefill"
-            record = StepRecord(
-                time=time.monotonic(),
-                lane=lane,
-                split=(step.split.prefill, step.split.decode),
-                rule=step.split.rule,
-                units=step.units,
-                batch_size=len(step.requests),
-                prefill_tokens=sum(step.lengths) if prefill else 0,
-                decode_rows=len(step.fused) if prefill else len(step.requests),
-                layers=step.layers if prefill else None,
-                state=es,
-                predicted_s=predicted,
-                measured_s=measured,
-                runner_s=runner_s,
-            )
-            write_step(self._step_log, record)
+            write_step(self._step_log, step.record(time.monotonic(), measured, predicted, runner_s))
             self._step_log.flush()
 
     # ---- the prefill lane -------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from bulletserve.executor.book import E, RequestBook
-from bulletserve.executor.record import Lane
+from bulletserve.executor.record import Lane, StepRecord
 from bulletserve.perf.model import Corrections
 from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
@@ -76,6 +76,31 @@ class LaneStep(Generic[E]):
     fused: list[E] = field(default_factory=list)
     fused_ctx: tuple[int, ...] = ()
     state: ExecutionState = field(default_factory=ExecutionState)
+
+    def record(
+        self,
+        time: float,
+        measured_s: float,
+        predicted_s: float | None,
+        runner_s: float | None = None,
+    ) -> StepRecord:
+        """The step as the step log records it, under the split it started under."""
+        prefill = self.lane == "prefill"
+        return StepRecord(
+            time=time,
+            lane=self.lane,
+            split=(self.split.prefill, self.split.decode),
+            rule=self.split.rule,
+            units=self.units,
+            batch_size=len(self.requests),
+            prefill_tokens=sum(self.lengths) if prefill else 0,
+            decode_rows=len(self.fused) if prefill else len(self.requests),
+            layers=self.layers if prefill else None,
+            state=self.state,
+            predicted_s=predicted_s,
+            measured_s=measured_s,
+            runner_s=runner_s,
+        )
 
 
 @dataclass

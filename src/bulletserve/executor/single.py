@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 from bulletserve.executor.book import E, RequestBook
-from bulletserve.executor.record import StepLane
+from bulletserve.executor.record import StepLane, StepRecord
+from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.base import SchedulerSnapshot, StepPlan
 
 
@@ -47,6 +48,28 @@ class SingleStep(Generic[E]):
     @property
     def prefill_tokens(self) -> int:
         return sum(n for n, _ in self.prefill)
+
+    def execution_state(self, units: int) -> tuple[ExecutionState, str]:
+        """The step on every unit as the performance model takes it, and the phase whose time
+        it takes (`perf.state.fused_step_state`)."""
+        return fused_step_state(self.prefill, self.decode_ctx, units)
+
+    def record(
+        self, time: float, units: int, measured_s: float, predicted_s: float | None = None
+    ) -> StepRecord:
+        """The step as the step log records it: every unit to the phases it ran."""
+        return StepRecord(
+            time=time,
+            lane=self.lane,
+            split=(units if self.prefill else 0, units if self.decode_ctx else 0),
+            units=units,
+            batch_size=len(self.batch),
+            prefill_tokens=self.prefill_tokens,
+            decode_rows=len(self.decode_ctx),
+            state=self.execution_state(units)[0],
+            measured_s=measured_s,
+            predicted_s=predicted_s,
+        )
 
     def sampled(self) -> list[E]:
         """After `end_single_step`: the requests whose next token is to be sampled, in the

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bulletserve.executor.lanes import LANES, LaneCore, LaneStep
-from bulletserve.executor.record import Lane, StepRecord
+from bulletserve.executor.record import Lane
 from bulletserve.sched.bullet import BulletPolicy
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.request import SimRequest
@@ -178,22 +178,7 @@ class LanedSimulator:
             self._append_tokens(ended.sampled, now)
         elif lane == "decode":
             self._append_tokens(step.requests, now)
-        self.state.log_step(
-            StepRecord(
-                time=now,
-                lane=lane,
-                split=(step.split.prefill, step.split.decode),
-                rule=step.split.rule,
-                units=step.units,
-                batch_size=len(step.requests),
-                prefill_tokens=sum(step.lengths) if lane == "prefill" else 0,
-                decode_rows=len(step.fused) if lane == "prefill" else len(step.requests),
-                layers=step.layers if lane == "prefill" else None,
-                state=step.state,
-                predicted_s=timing.busy_s,
-                measured_s=now - timing.started,
-            )
-        )
+        self.state.log_step(step.record(now, now - timing.started, timing.busy_s))
         self.ready.add(lane)
         self._notify()
 

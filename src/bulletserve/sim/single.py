@@ -8,9 +8,7 @@ the next arrival.
 
 from __future__ import annotations
 
-from bulletserve.executor.record import StepRecord
 from bulletserve.executor.single import begin_single_step, end_single_step, scheduler_snapshot
-from bulletserve.perf.state import fused_step_state
 from bulletserve.sched.base import Policy
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.state import SimState
@@ -40,7 +38,7 @@ def run_single_lane(
                 return now
             now = max(now, arrival)
             continue
-        es, phase = fused_step_state(step.prefill, step.decode_ctx, units)
+        es, phase = step.execution_state(units)
         prediction = perf.predict(es)
         predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
         measured = predicted * noise.factor()
@@ -50,17 +48,4 @@ def run_single_lane(
         now += measured + perf.host_s(len(sampled))
         for request in sampled:
             state.append_token(request, now)
-        state.log_step(
-            StepRecord(
-                time=now,
-                lane=step.lane,
-                split=(units if step.prefill else 0, units if step.decode_ctx else 0),
-                units=units,
-                batch_size=len(step.batch),
-                prefill_tokens=step.prefill_tokens,
-                decode_rows=len(step.decode_ctx),
-                state=es,
-                predicted_s=predicted,
-                measured_s=measured,
-            )
-        )
+        state.log_step(step.record(now, units, measured, predicted))
