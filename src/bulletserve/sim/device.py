@@ -1,4 +1,5 @@
-"""The modeled device: step durations from the performance model, with seeded noise.
+"""The modeled device: step durations from the performance model, with seeded noise, and the
+two lanes' steps progressing on it.
 
 Predictions are cached by execution state (the simulator never calls `observe`, so a state's
 prediction never changes). Noise is multiplicative and log-normal, exp(N(0, noise)), drawn once
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
+from bulletserve.executor.lanes import LANES, LaneCore, LaneStep
+from bulletserve.executor.record import Lane
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import Corrections, PerfModel, StepPrediction
@@ -46,3 +50,82 @@ class Noise:
 
     def factor(self) -> float:
         return self._rng.lognormvariate(0.0, self.sigma) if self.sigma else 1.0
+
+
+@dataclass
+class Timing:
+    """A step's progress on the modeled device: `work_left` is the share still to run at time
+    `since`; it runs at 1/duration per second, duration being the prediction for what runs now
+    times the step's noise, plus the engine's host time, which contention does not stretch."""
+
+    noise: float
+    started: float
+    host_s: float
+    work_left: float = 1.0
+    since: float = 0.0
+    duration: float = 0.0
+    busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
+
+    @property
+    def end(self) -> float:
+        return self.since + self.work_left * self.duration
+
+
+class ModeledLanes:
+    """The two lanes' steps in flight on the modeled device: each progresses at the rate the
+    performance model predicts for what runs on the device now (`LaneCore.execution_state`),
+    re-evaluated whenever a lane starts or ends a step, so co-running contention applies
+    exactly while both lanes run. The simulator and a virtual clock under the real engine time
+    lane steps with it."""
+
+    def __init__(self, core: LaneCore, perf: CachedPerfModel, noise: Noise) -> None:
+        self.core, self.perf, self.noise = core, perf, noise
+        self.timing: dict[Lane, Timing | None] = dict.fromkeys(LANES)
+
+    def start(self, step: LaneStep, now: float) -> None:
+        """A step the core has just started."""
+        timing = Timing(self.noise.factor(), now, self.perf.host_s(self._sampled_rows(step)))
+        timing.since = now
+        self.timing[step.lane] = timing
+        self.rerate(now)
+
+    def end(self, lane: Lane, now: float) -> Timing:
+        """The lane's step ends now: its progress folded in; the caller ends it in the core,
+        then calls `rerate` for the lane left running."""
+        self.rerate(now)
+        timing = self.timing[lane]
+        assert timing is not None
+        self.timing[lane] = None
+        return timing
+
+    def next_end(self) -> tuple[float, Lane] | None:
+        """The earliest step end, prefill first on a tie."""
+        ends = [(t.end, lane) for lane, t in self.timing.items() if t is not None]
+        return min(ends, key=lambda e: (e[0], LANES.index(e[1]))) if ends else None
+
+    def rerate(self, now: float) -> None:
+        """Fold the time run so far into each step's progress, then set its rate for what runs
+        from now on."""
+        prediction = self.perf.predict(self.core.execution_state())
+        for lane, timing in self.timing.items():
+            if timing is None:
+                continue
+            if timing.duration > 0:
+                ran = now - timing.since
+                timing.work_left = max(0.0, timing.work_left - ran / timing.duration)
+                timing.busy_s += ran / timing.noise
+            timing.since = now
+            predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
+            timing.duration = predicted * timing.noise + timing.host_s
+
+    def _sampled_rows(self, step: LaneStep) -> int:
+        """Rows the step samples, for the engine's host time around it."""
+        if step.lane == "decode":
+            return len(step.requests)
+        if step.layers[1] != self.core.num_layers:
+            return 0
+        completes = all(
+            c + n == r.num_tokens
+            for r, c, n in zip(step.requests, step.cached, step.lengths, strict=True)
+        )
+        return (len(step.requests) if completes else 0) + len(step.fused)

@@ -14,35 +14,14 @@ contention applies exactly while both lanes run. Each step draws one noise facto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from bulletserve.executor.lanes import LANES, LaneCore, LaneStep
+from bulletserve.executor.lanes import LANES, LaneCore
 from bulletserve.executor.record import Lane
 from bulletserve.sched.bullet import BulletPolicy
-from bulletserve.sim.device import CachedPerfModel, Noise
+from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise
 from bulletserve.sim.request import SimRequest
 from bulletserve.sim.state import SimState
 
 STALL_POLLS = 10_000  # consecutive polls with nothing stepping and nothing due: a stall
-
-
-@dataclass
-class Timing:
-    """A step's progress on the virtual clock: `work_left` is the share still to run at time
-    `since`; it runs at 1/duration per second, duration being the prediction for what runs now
-    times the step's noise, plus the engine's host time, which contention does not stretch."""
-
-    noise: float
-    started: float
-    host_s: float
-    work_left: float = 1.0
-    since: float = 0.0
-    duration: float = 0.0
-    busy_s: float = 0.0  # noise-free time run so far, for the step log's predicted_s
-
-    @property
-    def end(self) -> float:
-        return self.since + self.work_left * self.duration
 
 
 class LanedSimulator:
@@ -59,7 +38,7 @@ class LanedSimulator:
         self.core: LaneCore[SimRequest] = LaneCore(
             state.book, policy, max_num_seqs, max_prefill_tokens
         )
-        self.timing: dict[Lane, Timing | None] = dict.fromkeys(LANES)
+        self.device = ModeledLanes(self.core, perf, noise)
         self.wake_at: dict[Lane, float | None] = dict.fromkeys(LANES)  # None: not waiting
         self.ready: set[Lane] = set(LANES)
 
@@ -76,7 +55,7 @@ class LanedSimulator:
                     self._act(lane, now)
             if not (self.state.unfinished or self.core.prefill is not None):
                 return now
-            stepping = [t.end for t in self.timing.values() if t is not None]
+            stepping = [t.end for t in self.device.timing.values() if t is not None]
             arrival = self.state.next_arrival()
             polls = [t for t in self.wake_at.values() if t is not None]
             candidates = stepping + polls + ([arrival] if arrival is not None else [])
@@ -86,7 +65,7 @@ class LanedSimulator:
                 return now
             now = max(now, min(candidates))
             for lane in LANES:
-                timing = self.timing[lane]
+                timing = self.device.timing[lane]
                 if timing is not None and timing.end <= now:
                     self._end_step(lane, now)
             for lane, wake in self.wake_at.items():
@@ -127,49 +106,14 @@ class LanedSimulator:
             self._wait(lane, now)
             return
         step = core.start_prefill(plan) if lane == "prefill" else core.start_decode(plan)
-        timing = Timing(self.noise.factor(), now, self.perf.host_s(self._sampled_rows(step)))
-        timing.since = now
-        self.timing[lane] = timing
-        self._rerate(now)
-
-    def _sampled_rows(self, step: LaneStep[SimRequest]) -> int:
-        """Rows the step samples, for the engine's host time around it."""
-        if step.lane == "decode":
-            return len(step.requests)
-        if step.layers[1] != self.core.num_layers:
-            return 0
-        completes = all(
-            c + n == r.num_tokens
-            for r, c, n in zip(step.requests, step.cached, step.lengths, strict=True)
-        )
-        return (len(step.requests) if completes else 0) + len(step.fused)
-
-    # ---- step timing ------------------------------------------------------------------------
-
-    def _rerate(self, now: float) -> None:
-        """Fold the time run so far into each step's progress, then set its rate for what runs
-        from now on."""
-        prediction = self.perf.predict(self.core.execution_state())
-        for lane, timing in self.timing.items():
-            if timing is None:
-                continue
-            if timing.duration > 0:
-                ran = now - timing.since
-                timing.work_left = max(0.0, timing.work_left - ran / timing.duration)
-                timing.busy_s += ran / timing.noise
-            timing.since = now
-            predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
-            timing.duration = predicted * timing.noise + timing.host_s
+        self.device.start(step, now)
 
     # ---- a step's end -----------------------------------------------------------------------
 
     def _end_step(self, lane: Lane, now: float) -> None:
-        timing = self.timing[lane]
-        assert timing is not None
-        self._rerate(now)
-        self.timing[lane] = None
+        timing = self.device.end(lane, now)
         step = self.core.end_step(lane)
-        self._rerate(now)
+        self.device.rerate(now)
         if lane == "prefill" and step.layers[1] == self.core.num_layers:
             ended = self.core.end_pass(lambda request: False)
             for request in ended.joined:
