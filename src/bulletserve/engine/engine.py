@@ -6,11 +6,13 @@ own thread and is the only place that changes request state.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
 import time
 from collections import deque
+from functools import partial
 
 import torch
 
@@ -32,9 +34,9 @@ from bulletserve.engine.runner import (
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.executor.book import RequestBook
+from bulletserve.executor.clock import Clock, RealClock
 from bulletserve.executor.record import write_step
 from bulletserve.executor.single import (
-    SingleStep,
     begin_single_step,
     end_single_step,
     scheduler_snapshot,
@@ -69,10 +71,14 @@ HANDOFF_WAIT_S = 0.05
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: DecoderLM | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: DecoderLM | None = None, clock: Clock | None = None
+    ) -> None:
         """`model`: weights already loaded from `config.model` (as `bullet profile` has them),
-        used instead of loading them again."""
+        used instead of loading them again. `clock`: the wall clock unless a test gives a
+        virtual one."""
         self.config = config
+        self.clock: Clock = clock or RealClock()
         self.device = resolve_device(config.device)
         if config.cuda_graphs and self.device.type != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
@@ -186,7 +192,7 @@ class LLMEngine:
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
             params=params,
-            timings=RequestTimings(arrival=arrival_time or time.monotonic()),
+            timings=RequestTimings(arrival=arrival_time or self.clock.now()),
             stop_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else self.eos_token_ids),
         )
@@ -250,7 +256,7 @@ class LLMEngine:
         if not step.batch:
             return outputs
         works = []
-        now = time.monotonic()
+        now = self.clock.now()
         for request, num_tokens in step.batch:
             start = request.num_computed_tokens
             end = start + num_tokens
@@ -264,10 +270,12 @@ class LLMEngine:
                     end == request.num_tokens,
                 )
             )
-        started = time.perf_counter()
-        logits, sampling = self.runner.execute(works)
+        (logits, sampling), measured = self.clock.run_single(
+            step, self._device_units, partial(self._execute, works)
+        )
         if self._step_log:
-            self._log_step(step, started)
+            write_step(self._step_log, step.record(self.clock.now(), self._device_units, measured))
+            self._step_log.flush()
         end_single_step(step)
         for request, _ in step.batch:
             if request.num_computed_tokens < request.num_tokens:
@@ -277,25 +285,21 @@ class LLMEngine:
         if sampled:
             stop_sets = [r.stop_ids for r in sampled]
             tokens, logprobs = self.sampler.sample(logits, sampled, stop_sets)
-            now = time.monotonic()
+            now = self.clock.now()
             for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
                 self._append_token(request, token, logprob, now)
         for request in sampled:
             outputs.append(self._output(request))
         return outputs
 
-    def _log_step(self, step: SingleStep[Request], started: float) -> None:
-        """One step-log line in the simulator's single-lane form (no prediction: this engine
-        has no performance model): the split gives every unit to the phases that ran, and
-        `state` is the step as the performance model describes it (what a profile's
-        prediction for it takes). `started`: the step's perf_counter."""
-        if self.device.type == "cuda":
+    def _execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
+        logits, sampling = self.runner.execute(works)
+        if self._step_log and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's device time, not its launch time
-        measured = time.perf_counter() - started
-        write_step(self._step_log, step.record(time.monotonic(), self._log_units(), measured))
-        self._step_log.flush()
+        return logits, sampling
 
-    def _log_units(self) -> int:
+    @functools.cached_property
+    def _device_units(self) -> int:
         """The device's units, as the step log counts them: SMs on a GPU, threads on a CPU."""
         if self.device.type == "cuda":
             return torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -304,7 +308,7 @@ class LLMEngine:
     def snapshot(self) -> SchedulerSnapshot:
         config = self.config
         return scheduler_snapshot(
-            self.book, time.monotonic(), config.max_num_seqs, config.max_num_batched_tokens
+            self.book, self.clock.now(), config.max_num_seqs, config.max_num_batched_tokens
         )
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -362,7 +366,7 @@ class LLMEngine:
     ) -> None:
         request.finish_reason = reason
         request.state = state
-        request.timings.finished = time.monotonic()
+        request.timings.finished = self.clock.now()
         self.book.finish(request)
 
     def _output(self, request: Request) -> RequestOutput:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine, resolve_device
+from bulletserve.executor.clock import Clock
 from bulletserve.partition import TeamThread
 
 
-def create_engine(config: EngineConfig) -> LLMEngine:
+def create_engine(config: EngineConfig, clock: Clock | None = None) -> LLMEngine:
+    """`clock`: the wall clock unless a test gives a virtual one."""
     if config.policy == "bullet":
         from bulletserve.engine.lanes import LanedEngine
 
         if resolve_device(config.device).type != "cpu":
-            return LanedEngine(config)
+            return LanedEngine(config, clock=clock)
         # Built on the thread that will run its multi-threaded steps (partition.TeamThread).
         team = TeamThread()
         try:
-            return team.call(lambda: LanedEngine(config, team))
+            return team.call(lambda: LanedEngine(config, team, clock))
         except BaseException:
             team.stop()
             raise
-    return LLMEngine(config)
+    return LLMEngine(config, clock=clock)

@@ -28,6 +28,7 @@ from bulletserve.engine.request import Request, RequestOutput, RequestState, Tok
 from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.executor.clock import Clock
 from bulletserve.executor.lanes import LaneCore, LaneStep
 from bulletserve.executor.record import Lane, write_step
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
@@ -59,11 +60,13 @@ class DevicePass:
 
 
 class LanedEngine(LLMEngine):
-    def __init__(self, config: EngineConfig, team: TeamThread | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, team: TeamThread | None = None, clock: Clock | None = None
+    ) -> None:
         # On a CPU, the thread that builds the engine (create_engine makes it) and runs every
         # multi-threaded lane step; the lane threads themselves never lead an OpenMP team.
         self._team = team
-        super().__init__(config)
+        super().__init__(config, clock=clock)
         self._state = threading.Condition(threading.RLock())
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
         self._unhanded = 0  # outputs emitted and not yet reported handed off
@@ -72,6 +75,7 @@ class LanedEngine(LLMEngine):
         self.core: LaneCore[Request] = LaneCore(
             self.book, self.policy, config.max_num_seqs, config.max_num_batched_tokens
         )
+        self.clock.attach(self.core)
         self._pass: DevicePass | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -143,13 +147,13 @@ class LanedEngine(LLMEngine):
     ) -> str:
         request_id = super().add_request(prompt, params, request_id, arrival_time)
         with self._state:
-            self._state.notify_all()
+            self.clock.notify_all(self._state)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         super().abort_request(request_id)
         with self._state:
-            self._state.notify_all()
+            self.clock.notify_all(self._state)
 
     def has_unfinished(self) -> bool:
         """Work left, or outputs the lanes produced that `step()` has not returned yet."""
@@ -196,12 +200,12 @@ class LanedEngine(LLMEngine):
         with self._state:
             self._unhanded -= self._taken
             self._taken = 0
-            self._state.notify_all()
+            self.clock.notify_all(self._state)
 
     def close(self) -> None:
         self._stop.set()
         with self._state:
-            self._state.notify_all()
+            self.clock.notify_all(self._state)
         for thread in self._threads:
             thread.join(timeout=10)
         if self._team is not None:
@@ -219,22 +223,25 @@ class LanedEngine(LLMEngine):
         )
         for name, target in (("prefill", self._prefill_lane), ("decode", self._decode_lane)):
             thread = threading.Thread(
-                target=self._guard(target), name=f"bullet-{name}", daemon=True
+                target=self._guard(name, target), name=f"bullet-{name}", daemon=True
             )
             self._threads.append(thread)
             thread.start()
 
-    def _guard(self, lane: Callable[[], None]) -> Callable[[], None]:
+    def _guard(self, name: Lane, lane: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             try:
                 if self._team is not None:
                     # Single-threaded steps and sampling run here: one thread, no team.
                     use_one_thread()
+                self.clock.enter(name)
                 lane()
             except Exception as exc:
                 logger.exception("lane failed")
                 self.lane_error = exc
                 self._stop.set()
+            finally:
+                self.clock.leave()
 
         return run
 
@@ -244,7 +251,7 @@ class LanedEngine(LLMEngine):
         """Take in new requests and aborts, then the lane's plan (its split comes into force)."""
         for output in self._drain_inbox():
             self._emit(output)
-        return self.core.plan(lane, time.monotonic(), self.perf.corrections)
+        return self.core.plan(lane, self.clock.now(), self.perf.corrections)
 
     def _finish(
         self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
@@ -286,20 +293,22 @@ class LanedEngine(LLMEngine):
         """Sleep until notified (a request arrives or leaves, a step ends, units free up) or for
         the core's wait (`LaneCore.wait_s`)."""
         pending = bool(self._inbox or self._aborts)
-        self._state.wait(timeout=self.core.wait_s(lane, pending))
+        self.clock.wait(self._state, self.core.wait_s(lane, pending))
 
-    def _on_units(self, step: LaneStep[Request], work: Callable[[], T]) -> T:
+    def _on_units(self, step: LaneStep[Request], work: Callable[[], T]) -> tuple[T, float]:
         """Run `work()` on the step's units (claimed in the core under the state lock when the
-        step started), and release them when it ends."""
+        step started), and release them when it ends; its result and the step's seconds."""
+        if step.lane == "decode" and step.units < self.units.total:
+            # The units the prefill group leaves (on a GPU, the disjoint remainder).
+            run = partial(self.units.run, step.split.prefill, work, rest=True)
+        else:
+            run = partial(self.units.run, step.units, work)
         try:
-            if step.lane == "decode" and step.units < self.units.total:
-                # The units the prefill group leaves (on a GPU, the disjoint remainder).
-                return self.units.run(step.split.prefill, work, rest=True)
-            return self.units.run(step.units, work)
+            return self.clock.run_step(step, run)
         finally:
             with self._state:
                 self.core.release_units(step.lane)
-                self._state.notify_all()
+                self.clock.notify_all(self._state)
 
     def _log_step(self, step: LaneStep[Request], measured: float, runner_s: float) -> None:
         """Feed the online correction and write the step log: what ran when the step started,
@@ -307,11 +316,12 @@ class LanedEngine(LLMEngine):
         es, lane = step.state, step.lane
         prediction = self.perf.predict(es)
         predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
-        self.perf.observe(es, lane, measured)
+        if self.clock.measures:
+            self.perf.observe(es, lane, measured)
         if predicted > 0:
             self.prediction_error[lane] = abs(predicted / measured - 1)
         if self._step_log:
-            write_step(self._step_log, step.record(time.monotonic(), measured, predicted, runner_s))
+            write_step(self._step_log, step.record(self.clock.now(), measured, predicted, runner_s))
             self._step_log.flush()
 
     # ---- the prefill lane -------------------------------------------------------------------
@@ -319,6 +329,7 @@ class LanedEngine(LLMEngine):
     def _prefill_lane(self) -> None:
         core = self.core
         while not self._stop.is_set():
+            self.clock.checkpoint()
             with self._state:
                 self._await_handoff()
                 if not core.has_work("prefill", pending=bool(self._inbox or self._aborts)):
@@ -331,7 +342,7 @@ class LanedEngine(LLMEngine):
                 step = core.start_prefill(plan)
                 assert plan.prefill is not None
                 if plan.prefill.admitted:
-                    now = time.monotonic()
+                    now = self.clock.now()
                     for request in step.requests:
                         request.state = RequestState.PREFILLING
                         if request.timings.first_scheduled is None:
@@ -339,18 +350,16 @@ class LanedEngine(LLMEngine):
                 if step.layers[0] == 0:
                     self._pass = DevicePass(self.runner.prepare(self._pass_works(step)))
                 device_pass = self._pass
-            start = time.perf_counter()
-            hidden, logits, runner_s = self._on_units(
+            (hidden, logits, runner_s), measured = self._on_units(
                 step, partial(self._prefill_step, device_pass, step)
             )
-            measured = time.perf_counter() - start
             with self._state:
                 device_pass.hidden = hidden
                 core.end_step("prefill")
                 self._log_step(step, measured, runner_s)
                 if step.layers[1] == self.model_config.num_layers:
                     self._end_pass(device_pass, logits)
-                self._state.notify_all()
+                self.clock.notify_all(self._state)
 
     def _pass_works(self, step: LaneStep[Request]) -> list[SeqWork]:
         """The device batch of a pass: each prompt's tokens in it (its rest, or the step's
@@ -422,7 +431,7 @@ class LanedEngine(LLMEngine):
             requests,
             [r.stop_ids for r in requests],
         )
-        now = time.monotonic()
+        now = self.clock.now()
         for request in ended.joined:
             if not request.output_token_ids:  # not a recomputation after preemption
                 ttft = now - request.timings.arrival
@@ -436,6 +445,7 @@ class LanedEngine(LLMEngine):
     def _decode_lane(self) -> None:
         core = self.core
         while not self._stop.is_set():
+            self.clock.checkpoint()
             with self._state:
                 self._await_handoff()
                 if core.decode_paused() or not core.has_work("decode"):
@@ -449,16 +459,14 @@ class LanedEngine(LLMEngine):
                     continue
                 step = core.start_decode(plan)
                 works = [_decode_work(r) for r in step.requests]
-            start = time.perf_counter()
-            sampled, runner_s = self._on_units(
+            (sampled, runner_s), measured = self._on_units(
                 step, partial(self._decode_step, works, step.requests)
             )
-            measured = time.perf_counter() - start
             with self._state:
                 core.end_step("decode")
                 self._log_step(step, measured, runner_s)
                 alive = []
-                now = time.monotonic()
+                now = self.clock.now()
                 for request, (token, logprob) in zip(step.requests, sampled, strict=True):
                     if request.is_finished:  # aborted while its step ran: its token is dropped
                         self.book.release_blocks(request)
@@ -467,7 +475,7 @@ class LanedEngine(LLMEngine):
                         alive.append(request)
                 if alive:
                     self._publish(alive)
-                self._state.notify_all()
+                self.clock.notify_all(self._state)
 
 
 def _decode_work(request: Request) -> SeqWork:

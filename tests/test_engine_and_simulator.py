@@ -1,0 +1,179 @@
+"""The served engine and the simulator make the same decisions: the same arrivals and the same
+step durations through the engine (real model code on a tiny random model, its lane threads on
+a virtual clock the test controls, each step lasting what the performance model says) and
+through the simulator give the same sequence of steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from bulletserve.bench.metrics import SLO
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.factory import create_engine
+from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.executor.record import read_step_log
+from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.sim.clock import VirtualClock
+from bulletserve.sim.device import CachedPerfModel, Noise
+from bulletserve.sim.hardware import load_model_config
+from bulletserve.sim.request import SimRequest
+from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_requests
+from tiny_models import random_prompts
+
+MAX_MODEL_LEN = 256
+SLO_MS = SLO(ttft_per_token_ms=2.0, tpot_ms=40.0, ttft_base_ms=20.0)
+# A 2-thread CPU, modeled: where the threads split compute and bandwidth evenly the lanes share
+# nothing (`turns`, `fused`); where one thread has all the bandwidth, sharing pays.
+PROFILES = {
+    "zero-sum": HardwareProfile("cpu", "cpu", True, 2, 1, 1, {"float32": 2e9}, 4e8, 2, 2e-4),
+    "sharing": HardwareProfile("cpu", "cpu", True, 2, 1, 1, {"float32": 2e9}, 4e8, 1, 2e-4),
+}
+
+
+def _requests(count: int, rate: float, seed: int) -> list[tuple[str, float, list[int], int]]:
+    """(id, arrival, prompt, output length): Poisson arrivals, prompts of 8-120 tokens."""
+    import random
+
+    rng = random.Random(seed)
+    now, out = 0.0, []
+    for i, prompt in enumerate(random_prompts(count, seed=seed, low=8, high=120)):
+        now += rng.expovariate(rate)
+        out.append((f"r{i}", now, prompt, rng.randint(2, 24)))
+    return out
+
+
+def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests):
+    profile_path = tmp_path / "profile.json"
+    profile.save(profile_path)
+    log = tmp_path / "engine.steps.jsonl"
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        policy=policy,
+        chunked_prefill_size=64,
+        num_threads=2,
+        partition=partition,
+        hardware_profile=str(profile_path),
+        slo_ttft_per_token_ms=SLO_MS.ttft_per_token_ms,
+        slo_tpot_ms=SLO_MS.tpot_ms,
+        slo_ttft_base_ms=SLO_MS.ttft_base_ms,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        cpu_warmup_rows=0,
+        step_log=str(log),
+    )
+    perf = CachedPerfModel(load_model_config(str(model_dir / "config.json")), profile, "float32")
+    clock = VirtualClock(perf, Noise(0.0, 0))
+    engine = create_engine(config, clock)
+    num_blocks = engine.pool.num_blocks
+    try:
+        if policy == "bullet":
+            _drive_lanes(engine, clock, requests)
+        else:
+            _drive_one_lane(engine, clock, requests)
+    finally:
+        engine.close()
+    return read_step_log(log), num_blocks
+
+
+def _params(output_len: int) -> SamplingParams:
+    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+
+
+def _drive_lanes(engine, clock, requests) -> None:
+    """Each request added at its arrival; the lanes run on the clock until all are done."""
+    clock.enter("driver")
+    try:
+        engine.step()  # starts the lane threads
+        clock.await_threads(3)
+        for request_id, arrival, prompt, output_len in requests:
+            clock.sleep_until(arrival)
+            engine.add_request(prompt, _params(output_len), request_id, clock.now())
+        while engine.has_unfinished() and clock.now() < 600:
+            clock.sleep_until(clock.now() + 0.25)
+            engine.step()
+    finally:
+        clock.leave()
+
+
+def _drive_one_lane(engine, clock, requests) -> None:
+    """As the simulator's single lane: arrivals up to now, a step; nothing to run, the next
+    arrival."""
+    pending = list(requests)
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1] <= clock.now():
+            request_id, arrival, prompt, output_len = pending.pop(0)
+            engine.add_request(prompt, _params(output_len), request_id, arrival)
+        before = clock.now()
+        engine.step()
+        if clock.now() == before:
+            assert pending, "the engine stalled"
+            clock.time = pending[0][1]
+
+
+def _sim_config(profile_path, policy, partition, model_dir, num_blocks):
+    static = None
+    if partition.startswith("static:"):
+        static = tuple(int(x) for x in partition.removeprefix("static:").split("/"))
+    return SimConfig(
+        hardware=str(profile_path),
+        model=str(model_dir / "config.json"),
+        policy=policy,
+        chunked_prefill_size=64,
+        partition="static" if static else partition,
+        static_split=static,
+        slo=SLO_MS,
+        noise=0.0,
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks_override=num_blocks,
+    )
+
+
+def _sim_steps(tmp_path, profile, policy, partition, requests, model_dir, num_blocks):
+    profile_path = tmp_path / "profile.json"
+    config = _sim_config(profile_path, policy, partition, model_dir, num_blocks)
+    env = setup(config)
+    sim_requests = [
+        SimRequest(request_id, i, arrival, len(prompt), output_len)
+        for i, (request_id, arrival, prompt, output_len) in enumerate(requests)
+    ]
+    log = tmp_path / "sim.steps.jsonl"
+    with log.open("w") as handle:
+        simulate_requests(config, env, make_sim_policy(config, env), sim_requests, 1.0, handle)
+    return read_step_log(log)
+
+
+def _decisions(steps):
+    return [
+        (s.lane, s.rule, s.split, s.units, s.batch_size, s.prefill_tokens, s.decode_rows,
+         s.layers, round(s.time, 9))
+        for s in steps
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "profile, policy, partition",
+    [
+        ("zero-sum", "bullet", "auto"),
+        ("sharing", "bullet", "auto"),
+        ("sharing", "bullet", "none"),
+        ("sharing", "bullet", "static:1/1"),
+        ("sharing", "chunked", "auto"),
+    ],
+)
+def test_engine_and_simulator_make_the_same_decisions(
+    tiny_llama_dir, tmp_path, profile, policy, partition
+):
+    requests = _requests(24, rate=6.0, seed=3)
+    hw = PROFILES[profile]
+    engine, num_blocks = _engine_steps(tiny_llama_dir, tmp_path, hw, policy, partition, requests)
+    sim = _sim_steps(tmp_path, hw, policy, partition, requests, tiny_llama_dir, num_blocks)
+    assert len(engine) > 20
+    assert _decisions(engine) == _decisions(sim)
+    if policy == "bullet" and partition == "auto":
+        rules = {s.rule for s in engine}
+        assert rules & {"fused", "fused-ttft-first", "decode-fewest", "turns"}, rules
