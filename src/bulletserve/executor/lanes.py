@@ -3,13 +3,13 @@
 and the units it holds, whether a step may start, the snapshot a lane plans from, what ran
 while a step ran, and how long an idle lane waits before it plans again.
 
-A lane's turn: `plan(lane, now)` (the plan's split comes into force); unless `start_*`'s
-conditions hold, the lane waits `wait_s(lane)` or until woken; else `start_prefill` /
-`start_decode` claim the lane's units and record the step in flight, the executor runs it
-(threads and the device in the engine; the performance model's time in the simulator), and
-`end_step` (after `release_units`, where the executor's bookkeeping comes later than the
-device's end) ends it, after which a prefill step's executor calls `end_pass` when the step
-finished a pass.
+A lane's turn: with no work (`has_work`) it waits; else `plan(lane, now)` (the plan's split
+comes into force); unless the plan is `runnable` now, the lane waits `wait_s(lane)` or until
+woken; else `start_prefill` / `start_decode` claim the lane's units and record the step in
+flight, the executor runs it (threads and the device in the engine; the modeled device's time
+in the simulator), and `end_step` (after `release_units`, where the executor's bookkeeping comes
+later than the device's end) ends it, after which a prefill step's executor calls `end_pass`
+when the step finished a pass.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from bulletserve.executor.lanes import LaneCore, LaneStep
 from bulletserve.executor.single import SingleStep
-from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise
+from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise, time_single_step
 
 T = TypeVar("T")
 
@@ -135,15 +135,11 @@ class VirtualClock:
         """A single-lane step, as the simulator times one: the prediction for its batch on
         every unit, times noise, then the host's time for the rows it samples (the only thread
         on the clock is the caller's)."""
-        sampled = sum(r.num_computed_tokens + n == r.num_tokens for r, n in step.batch)
+        timing = time_single_step(self.perf, self.noise, step, units)
         result = work()
-        es, phase = step.execution_state(units)
-        prediction = self.perf.predict(es)
-        predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
-        measured = predicted * self.noise.factor()
         with self._lock:
-            self.time += measured + self.perf.host_s(sampled)
-        return result, measured
+            self.time += timing.measured_s + timing.host_s
+        return result, timing.measured_s
 
     # ---- turns (self._lock held) --------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from bulletserve.executor.lanes import LANES, LaneCore, LaneStep
 from bulletserve.executor.record import Lane
+from bulletserve.executor.single import SingleStep
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import Corrections, PerfModel, StepPrediction
@@ -50,6 +51,28 @@ class Noise:
 
     def factor(self) -> float:
         return self._rng.lognormvariate(0.0, self.sigma) if self.sigma else 1.0
+
+
+@dataclass(frozen=True)
+class SingleTiming:
+    """A single-lane step on the modeled device: the prediction for its batch on every unit,
+    that times noise, and the engine's host time after it for the rows it samples (its tokens
+    reach their streams after that)."""
+
+    predicted_s: float
+    measured_s: float
+    host_s: float
+
+
+def time_single_step(
+    perf: CachedPerfModel, noise: Noise, step: SingleStep, units: int
+) -> SingleTiming:
+    """The modeled time of a step about to run (before `end_single_step`)."""
+    es, phase = step.execution_state(units)
+    prediction = perf.predict(es)
+    predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
+    sampled = sum(r.num_computed_tokens + n == r.num_tokens for r, n in step.batch)
+    return SingleTiming(predicted, predicted * noise.factor(), perf.host_s(sampled))
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bulletserve.executor.single import begin_single_step, end_single_step, scheduler_snapshot
 from bulletserve.sched.base import Policy
-from bulletserve.sim.device import CachedPerfModel, Noise
+from bulletserve.sim.device import CachedPerfModel, Noise, time_single_step
 from bulletserve.sim.state import SimState
 
 
@@ -38,14 +38,9 @@ def run_single_lane(
                 return now
             now = max(now, arrival)
             continue
-        es, phase = step.execution_state(units)
-        prediction = perf.predict(es)
-        predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
-        measured = predicted * noise.factor()
+        timing = time_single_step(perf, noise, step, units)
         end_single_step(step)
-        sampled = step.sampled()
-        # Tokens reach their stream after the engine's host work around the step.
-        now += measured + perf.host_s(len(sampled))
-        for request in sampled:
+        now += timing.measured_s + timing.host_s
+        for request in step.sampled():
             state.append_token(request, now)
-        state.log_step(step.record(now, units, measured, predicted))
+        state.log_step(step.record(now, units, timing.measured_s, timing.predicted_s))
