@@ -63,7 +63,7 @@ def test_a_two_lane_engine_warms_every_thread_count_a_lane_may_get(
         hardware_profile=str(profile),
     )
     try:
-        assert llm.engine._thread_counts() == counts
+        assert llm.engine.executor.thread_counts() == counts
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         # 36 prompt tokens: a padded prefill (48 rows) through the lanes.
         (out,) = llm.generate([[5, 6, 7] * 12], params)

@@ -176,7 +176,7 @@ def test_lanes_wait_for_their_outputs_to_be_handed_off_where_the_caller_reports_
                     engine.outputs_handed_off()
             assert len(tokens) == 1 and len(tokens[0].token_ids) == 6
             if report:
-                assert engine._unhanded == 0
+                assert engine.executor._unhanded == 0
         finally:
             engine.close()
         records = read_step_log(log)
@@ -245,7 +245,7 @@ def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
     # gains, and a prefill lane blind to the decodes would plan the whole device either way.
     llm = _bullet_llm(tiny_llama_dir, num_threads=2, partition="static:1/1")
     engine = llm.engine
-    if engine.units.total < 2:
+    if engine.executor.units.total < 2:
         engine.close()
         pytest.skip("needs two units to split")
     try:
@@ -259,15 +259,15 @@ def test_both_lanes_plan_the_same_split_while_decode_steps(tiny_llama_dir):
         engine.close()  # the lanes stop; the state stays as they left it
     assert len(engine.running) == 3
     engine.add_request(random_prompts(1, seed=25)[0], GREEDY)
-    with engine._state:
-        decode_plan = engine._plan("decode")
+    with engine.executor._state:
+        decode_plan = engine.executor._plan("decode")
         assert decode_plan.split.decode > 0 and decode_plan.split.prefill > 0
         # The decode lane starts its step on its share of the units...
-        engine.core.start_decode(decode_plan)
+        engine.executor.core.start_decode(decode_plan)
         # ...and the prefill lane plans meanwhile: the same split, which it can start at once.
-        prefill_plan = engine._plan("prefill")
+        prefill_plan = engine.executor._plan("prefill")
         assert prefill_plan.split == decode_plan.split
-        assert engine.core.runnable("prefill", prefill_plan)
+        assert engine.executor.core.runnable("prefill", prefill_plan)
 
 
 def test_partition_flag_parsing():
@@ -323,7 +323,7 @@ def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition
         sampler.sample = recording_sample
 
     recording_sampler("prefill", llm.engine.sampler)
-    recording_sampler("decode", llm.engine._decode_sampler)
+    recording_sampler("decode", llm.engine.executor._decode_sampler)
     try:
         llm.generate(random_prompts(8, seed=4), GREEDY)
     finally:

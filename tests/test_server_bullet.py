@@ -45,7 +45,7 @@ def test_bullet_server_streams_and_reports_lane_units():
             assert all(count > 0 for count in counts)
             units = _metric_lines(url, "bullet:lane_units")
             assert {k.split('lane="')[1].split('"')[0] for k in units} == {"prefill", "decode"}
-            assert all(0 <= v <= engine.engine.units.total for v in units.values())
+            assert all(0 <= v <= engine.engine.executor.units.total for v in units.values())
             assert _metric_lines(url, "bullet:step_prediction_error")
 
             def drained() -> bool:

@@ -1,18 +1,19 @@
-"""The engine loop: snapshot -> policy plan -> model step -> sampling -> outputs.
+"""The engine: requests in (tokenized and checked), outputs out (detokenized, stop strings,
+finishing); its executor carries the policy's plans out on the device (`engine.single`: snapshot
+-> plan -> model step -> sampling; `engine.lanes`: Bullet's two lanes).
 
 `add_request` and `abort_request` may be called from any thread; `step` runs on the engine's
-own thread and is the only place that changes request state.
+own thread (the lanes on theirs) and only there does request state change.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from functools import partial
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,7 +28,6 @@ from bulletserve.engine.request import (
 )
 from bulletserve.engine.runner import (
     ModelRunner,
-    SeqWork,
     builds_gemm_kernels,
     warm_cpu_gemms,
 )
@@ -35,20 +35,16 @@ from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.executor.book import RequestBook
 from bulletserve.executor.clock import Clock, RealClock
-from bulletserve.executor.record import write_step
-from bulletserve.executor.single import (
-    begin_single_step,
-    end_single_step,
-    scheduler_snapshot,
-)
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import load_config, load_model, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
-from bulletserve.partition import usable_cores
-from bulletserve.sched import make_policy
-from bulletserve.sched.base import Policy, SchedulerSnapshot
+from bulletserve.partition import TeamThread, usable_cores
+from bulletserve.sched.base import Policy
+
+if TYPE_CHECKING:
+    from bulletserve.sched.bullet import BulletPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +67,21 @@ HANDOFF_WAIT_S = 0.05
 
 
 class LLMEngine:
+    """The engine: the model, the KV pool, the tokenizer and the requests (intake, detokenization,
+    stops, outputs), carrying each policy's plans out through its executor: one lane
+    (`engine.single`) for chunked and prefill-first, Bullet's two (`engine.lanes`)."""
+
     def __init__(
-        self, config: EngineConfig, model: DecoderLM | None = None, clock: Clock | None = None
+        self,
+        config: EngineConfig,
+        model: DecoderLM | None = None,
+        clock: Clock | None = None,
+        team: TeamThread | None = None,
     ) -> None:
         """`model`: weights already loaded from `config.model` (as `bullet profile` has them),
         used instead of loading them again. `clock`: the wall clock unless a test gives a
-        virtual one."""
+        virtual one. `team`: on a CPU under bullet, the thread this engine is built on, which
+        runs every multi-threaded lane step (`partition.TeamThread`)."""
         self.config = config
         self.clock: Clock = clock or RealClock()
         self.device = resolve_device(config.device)
@@ -118,9 +123,6 @@ class LLMEngine:
                 self.model, self.pool, self.device, config.max_num_seqs, self.max_model_len
             )
         self.sampler = Sampler(config.seed)
-        self.policy = self._make_policy()
-        if builds_gemm_kernels(self.model, self.device) and config.cpu_warmup_rows:
-            self._warm_cpu_gemms()
         self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.book: RequestBook[Request] = RequestBook(self.pool.allocator, self.pool.block_size)
@@ -130,23 +132,20 @@ class LLMEngine:
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        # --step-log: one JSON line per step (the laned engine's lanes write it too).
-        self._step_log = open(config.step_log, "a") if config.step_log else None
+        # --step-log: one JSON line per step (the executor writes it).
+        self.step_log = open(config.step_log, "a") if config.step_log else None
         # Whether whoever calls `step()` reports each hand-off (`outputs_handed_off`): the
         # server's AsyncEngine does; `LLM.generate`, which uses outputs at once, does not.
         self.acks_handoff = False
-
-    def _make_policy(self) -> Policy:
-        return make_policy(self.config.policy, self.config.chunk_size)
-
-    def _thread_counts(self) -> list[int]:
-        """The intra-op thread counts this engine's steps run on."""
-        return [torch.get_num_threads()]
+        self.executor: Executor = _make_executor(self, team)
+        self.policy = self.executor.policy
+        if builds_gemm_kernels(self.model, self.device) and config.cpu_warmup_rows:
+            self._warm_cpu_gemms()
 
     def _warm_cpu_gemms(self) -> None:
         config = self.config
         started = time.perf_counter()
-        counts = self._thread_counts()
+        counts = self.executor.thread_counts()
         rows = min(config.cpu_warmup_rows, config.max_num_batched_tokens)
         built = warm_cpu_gemms(self.model, rows, config.max_num_seqs, counts)
         logger.info(
@@ -203,11 +202,18 @@ class LLMEngine:
                 raise ValueError(f"duplicate request id {request.request_id!r}")
             self.requests[request.request_id] = request
             self._inbox.append(request)
+        self.executor.wake()
         return request.request_id
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
+        self.executor.wake()
+
+    @property
+    def pending_intake(self) -> bool:
+        """Requests or aborts not yet taken in by a step."""
+        return bool(self._inbox or self._aborts)
 
     @property
     def waiting(self) -> deque[Request]:
@@ -224,92 +230,36 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         """Requests past admission and not finished."""
-        return len(self.running)
+        return self.executor.num_running()
 
     def lane_units(self) -> dict[str, tuple[int, float | None]]:
         """lane -> (units it has now, last relative prediction error); one lane: none."""
-        return {}
+        return self.executor.lane_units()
 
     def close(self) -> None:
-        """Stop background work (the laned engine's threads; the single lane has none) and
-        close the step log."""
-        if self._step_log:
-            self._step_log.close()
+        """Stop the executor's background work and close the step log."""
+        self.executor.close()
+        if self.step_log:
+            self.step_log.close()
 
     def has_unfinished(self) -> bool:
+        """Work left, or outputs the executor produced that `step()` has not returned yet."""
+        if self.executor.has_pending():
+            return True
         with self._lock:
             return bool(self._inbox or self._aborts or self.waiting or self.running)
 
     # ---- engine thread ----------------------------------------------------------------------
 
     def outputs_handed_off(self) -> None:
-        """The outputs of the last `step()` have been passed on (by the server: written out).
-        The single-lane engine computes only inside `step()`, so it has nothing to wait for;
-        the laned engine's lanes wait for this (see `LanedEngine.acks_handoff`)."""
+        """The outputs of the last `step()` have been passed on (by the server: written out);
+        the laned executor's lanes wait for this where `acks_handoff` is set."""
+        self.executor.outputs_handed_off()
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return outputs of requests that progressed or ended."""
-        outputs = self._drain_inbox()
-        step = begin_single_step(self.book, self.policy.plan(self.snapshot()))
-        for request in step.preempted:
-            request.state = RequestState.WAITING
-        if not step.batch:
-            return outputs
-        works = []
-        now = self.clock.now()
-        for request, num_tokens in step.batch:
-            start = request.num_computed_tokens
-            end = start + num_tokens
-            if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = now
-            works.append(
-                SeqWork(
-                    request.token_ids(start, end),
-                    start,
-                    request.block_table,
-                    end == request.num_tokens,
-                )
-            )
-        (logits, sampling), measured = self.clock.run_single(
-            step, self._device_units, partial(self._execute, works)
-        )
-        if self._step_log:
-            write_step(self._step_log, step.record(self.clock.now(), self._device_units, measured))
-            self._step_log.flush()
-        end_single_step(step)
-        for request, _ in step.batch:
-            if request.num_computed_tokens < request.num_tokens:
-                request.state = RequestState.PREFILLING
-        # The runner's row order (prompts of one token sit with the decode rows).
-        sampled = [step.batch[i][0] for i in sampling]
-        if sampled:
-            stop_sets = [r.stop_ids for r in sampled]
-            tokens, logprobs = self.sampler.sample(logits, sampled, stop_sets)
-            now = self.clock.now()
-            for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
-                self._append_token(request, token, logprob, now)
-        for request in sampled:
-            outputs.append(self._output(request))
-        return outputs
-
-    def _execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
-        logits, sampling = self.runner.execute(works)
-        if self._step_log and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's device time, not its launch time
-        return logits, sampling
-
-    @functools.cached_property
-    def _device_units(self) -> int:
-        """The device's units, as the step log counts them: SMs on a GPU, threads on a CPU."""
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_properties(self.device).multi_processor_count
-        return torch.get_num_threads()
-
-    def snapshot(self) -> SchedulerSnapshot:
-        config = self.config
-        return scheduler_snapshot(
-            self.book, self.clock.now(), config.max_num_seqs, config.max_num_batched_tokens
-        )
+        """Run the executor: one step of the single lane, or the outputs the lanes produced
+        since the last call; outputs of requests that progressed or ended."""
+        return self.executor.step()
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -368,6 +318,7 @@ class LLMEngine:
         request.state = state
         request.timings.finished = self.clock.now()
         self.book.finish(request)
+        self.executor.finished(request)
 
     def _output(self, request: Request) -> RequestOutput:
         chars, tokens = self._emitted.get(request.request_id, (0, 0))
@@ -405,3 +356,43 @@ def _find_stop(text: str, stops: list[str], delta_len: int) -> int | None:
     window_start = max(0, len(text) - delta_len - max(len(s) for s in stops) + 1)
     hits = [i for s in stops if (i := text.find(s, window_start)) >= 0]
     return min(hits) if hits else None
+
+
+class Executor(Protocol):
+    """How an engine carries its policy's plans out: `engine.single` or `engine.lanes`."""
+
+    policy: Policy | BulletPolicy
+
+    def thread_counts(self) -> list[int]:
+        """The intra-op thread counts its steps run on (for the CPU GEMM warm-up)."""
+        ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def wake(self) -> None:
+        """A request or an abort came in."""
+
+    def has_pending(self) -> bool:
+        """Work or outputs of its own beyond the engine's queues."""
+        ...
+
+    def num_running(self) -> int: ...
+
+    def lane_units(self) -> dict[str, tuple[int, float | None]]: ...
+
+    def outputs_handed_off(self) -> None: ...
+
+    def finished(self, request: Request) -> None:
+        """A request ended (finished or aborted)."""
+
+    def close(self) -> None: ...
+
+
+def _make_executor(engine: LLMEngine, team: TeamThread | None) -> Executor:
+    if engine.config.policy == "bullet":
+        from bulletserve.engine.lanes import Lanes
+
+        return Lanes(engine, team)
+    from bulletserve.engine.single import SingleLane
+
+    return SingleLane(engine)

@@ -10,16 +10,12 @@ from bulletserve.partition import TeamThread
 
 def create_engine(config: EngineConfig, clock: Clock | None = None) -> LLMEngine:
     """`clock`: the wall clock unless a test gives a virtual one."""
-    if config.policy == "bullet":
-        from bulletserve.engine.lanes import LanedEngine
-
-        if resolve_device(config.device).type != "cpu":
-            return LanedEngine(config, clock=clock)
-        # Built on the thread that will run its multi-threaded steps (partition.TeamThread).
-        team = TeamThread()
-        try:
-            return team.call(lambda: LanedEngine(config, team, clock))
-        except BaseException:
-            team.stop()
-            raise
-    return LLMEngine(config, clock=clock)
+    if config.policy != "bullet" or resolve_device(config.device).type != "cpu":
+        return LLMEngine(config, clock=clock)
+    # Built on the thread that will run its lanes' multi-threaded steps (partition.TeamThread).
+    team = TeamThread()
+    try:
+        return team.call(lambda: LLMEngine(config, clock=clock, team=team))
+    except BaseException:
+        team.stop()
+        raise

@@ -18,17 +18,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.engine import HANDOFF_WAIT_S, LLMEngine
+from bulletserve.engine.engine import HANDOFF_WAIT_S
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampler import Sampler
-from bulletserve.engine.sampling_params import SamplingParams
-from bulletserve.executor.clock import Clock
 from bulletserve.executor.lanes import LaneCore, LaneStep
 from bulletserve.executor.record import Lane, write_step
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
@@ -45,6 +42,9 @@ from bulletserve.sched.bullet import (
     parse_partition,
 )
 
+if TYPE_CHECKING:
+    from bulletserve.engine.engine import LLMEngine
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -59,14 +59,21 @@ class DevicePass:
     hidden: torch.Tensor | None = None
 
 
-class LanedEngine(LLMEngine):
-    def __init__(
-        self, config: EngineConfig, team: TeamThread | None = None, clock: Clock | None = None
-    ) -> None:
-        # On a CPU, the thread that builds the engine (create_engine makes it) and runs every
+class Lanes:
+    """The engine's executor under `--policy bullet`: a prefill lane and a decode lane on their
+    own threads (see the module's docstring)."""
+
+    def __init__(self, engine: LLMEngine, team: TeamThread | None = None) -> None:
+        self.engine = engine
+        # What the lanes use of the engine, which owns it.
+        self.config, self.clock, self.book = engine.config, engine.clock, engine.book
+        self.model, self.model_config, self.pool = engine.model, engine.model_config, engine.pool
+        self.runner, self.sampler = engine.runner, engine.sampler
+        self.device, self.dtype = engine.device, engine.dtype
+        # On a CPU, the thread that built the engine (create_engine makes it) and runs every
         # multi-threaded lane step; the lane threads themselves never lead an OpenMP team.
         self._team = team
-        super().__init__(config, clock=clock)
+        self.policy = self._make_policy()
         self._state = threading.Condition(threading.RLock())
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
         self._unhanded = 0  # outputs emitted and not yet reported handed off
@@ -114,7 +121,7 @@ class LanedEngine(LLMEngine):
             fuse_decode=self.config.fuse_decode,
         )
 
-    def _thread_counts(self) -> list[int]:
+    def thread_counts(self) -> list[int]:
         """Every thread count a lane's step may run on (`LaneCore.share`): the whole CPU, and under
         `auto` any carved group, under `static:P/D` P and what P leaves."""
         total = self.units.total
@@ -136,35 +143,21 @@ class LanedEngine(LLMEngine):
             self.units, PLANS["quick"], "measured-at-start", logger.info, self.dtype
         )
 
-    # ---- the engine interface ---------------------------------------------------------------
+    # ---- the executor interface -------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
-        request_id = super().add_request(prompt, params, request_id, arrival_time)
-        with self._state:
-            self.clock.notify_all(self._state)
-        return request_id
-
-    def abort_request(self, request_id: str) -> None:
-        super().abort_request(request_id)
+    def wake(self) -> None:
         with self._state:
             self.clock.notify_all(self._state)
 
-    def has_unfinished(self) -> bool:
-        """Work left, or outputs the lanes produced that `step()` has not returned yet."""
+    def has_pending(self) -> bool:
+        """A prefill batch in flight, or outputs the lanes produced that `step()` has not
+        returned yet."""
         with self._state:
-            pending = self.core.prefill is not None or not self._outputs.empty()
-            return pending or super().has_unfinished()
+            return self.core.prefill is not None or not self._outputs.empty()
 
-    @property
     def num_running(self) -> int:
         prefill = self.core.prefill
-        return len(self.running) + (len(prefill.requests) if prefill else 0)
+        return len(self.book.running) + (len(prefill.requests) if prefill else 0)
 
     @property
     def split(self) -> Split:
@@ -210,7 +203,6 @@ class LanedEngine(LLMEngine):
             thread.join(timeout=10)
         if self._team is not None:
             self._team.stop()
-        super().close()
 
     def _start(self) -> None:
         space = self.policy.units
@@ -249,16 +241,14 @@ class LanedEngine(LLMEngine):
 
     def _plan(self, lane: Lane) -> BulletPlan:
         """Take in new requests and aborts, then the lane's plan (its split comes into force)."""
-        for output in self._drain_inbox():
+        for output in self.engine._drain_inbox():
             self._emit(output)
         return self.core.plan(lane, self.clock.now(), self.perf.corrections)
 
-    def _finish(
-        self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
-    ) -> None:
-        super()._finish(request, reason, state)
+    def finished(self, request: Request) -> None:
+        """A request that ran to its end feeds the window of recent TPOTs."""
         t = request.timings
-        if state is RequestState.FINISHED and t.first_token is not None:
+        if request.state is RequestState.FINISHED and t.first_token is not None:
             outputs = len(request.output_token_ids)
             self.core.window.finished(
                 (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
@@ -266,7 +256,7 @@ class LanedEngine(LLMEngine):
 
     def _publish(self, requests: list[Request]) -> None:
         for request in requests:
-            self._emit(self._output(request))
+            self._emit(self.engine._output(request))
 
     def _emit(self, output: RequestOutput) -> None:
         self._unhanded += 1
@@ -280,7 +270,7 @@ class LanedEngine(LLMEngine):
         in `AsyncEngine._deliver`; lanes that did not ran their decode steps 5-15% slower
         served than the single-lane engine's at the same batch, bench-cpu-55, and as fast
         offline.)"""
-        if not self.acks_handoff:
+        if not self.engine.acks_handoff:
             return
         deadline = time.monotonic() + HANDOFF_WAIT_S
         while self._unhanded > 0 and not self._stop.is_set():
@@ -292,8 +282,7 @@ class LanedEngine(LLMEngine):
     def _wait(self, lane: Lane) -> None:
         """Sleep until notified (a request arrives or leaves, a step ends, units free up) or for
         the core's wait (`LaneCore.wait_s`)."""
-        pending = bool(self._inbox or self._aborts)
-        self.clock.wait(self._state, self.core.wait_s(lane, pending))
+        self.clock.wait(self._state, self.core.wait_s(lane, self.engine.pending_intake))
 
     def _on_units(self, step: LaneStep[Request], work: Callable[[], T]) -> tuple[T, float]:
         """Run `work()` on the step's units (claimed in the core under the state lock when the
@@ -320,9 +309,10 @@ class LanedEngine(LLMEngine):
             self.perf.observe(es, lane, measured)
         if predicted > 0:
             self.prediction_error[lane] = abs(predicted / measured - 1)
-        if self._step_log:
-            write_step(self._step_log, step.record(self.clock.now(), measured, predicted, runner_s))
-            self._step_log.flush()
+        if self.engine.step_log:
+            record = step.record(self.clock.now(), measured, predicted, runner_s)
+            write_step(self.engine.step_log, record)
+            self.engine.step_log.flush()
 
     # ---- the prefill lane -------------------------------------------------------------------
 
@@ -332,7 +322,7 @@ class LanedEngine(LLMEngine):
             self.clock.checkpoint()
             with self._state:
                 self._await_handoff()
-                if not core.has_work("prefill", pending=bool(self._inbox or self._aborts)):
+                if not core.has_work("prefill", pending=self.engine.pending_intake):
                     self._wait("prefill")
                     continue
                 plan = self._plan("prefill")
@@ -437,7 +427,7 @@ class LanedEngine(LLMEngine):
                 ttft = now - request.timings.arrival
                 self.core.window.first_token(ttft, len(request.prompt_token_ids))
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
-            self._append_token(request, token, logprob, now)
+            self.engine._append_token(request, token, logprob, now)
         self._publish(requests)
 
     # ---- the decode lane --------------------------------------------------------------------
@@ -471,7 +461,7 @@ class LanedEngine(LLMEngine):
                     if request.is_finished:  # aborted while its step ran: its token is dropped
                         self.book.release_blocks(request)
                     else:
-                        self._append_token(request, token, logprob, now)
+                        self.engine._append_token(request, token, logprob, now)
                         alive.append(request)
                 if alive:
                     self._publish(alive)

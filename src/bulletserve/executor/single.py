@@ -1,4 +1,4 @@
-"""One single-lane step's bookkeeping, as the engine (`LLMEngine.step`) and the simulator
+"""One single-lane step's bookkeeping, as the engine (`SingleLane.step`) and the simulator
 (`sim.single`) both carry a policy's `StepPlan` out: preemptions, admissions, KV blocks, which
 rows are prompt chunks and which decode rows, and after the step the computed tokens."""
 

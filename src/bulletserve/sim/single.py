@@ -1,4 +1,4 @@
-"""One lane: `LLMEngine.step` on the virtual clock, for the chunked and prefill-first policies.
+"""One lane: `SingleLane.step` on the virtual clock, for the chunked and prefill-first policies.
 
 Each step: queue arrivals, snapshot, plan, apply preemptions, admit, grow blocks, run the batch
 (its duration from the performance model on every unit), then count computed tokens and sample

@@ -1,0 +1,117 @@
+"""One lane (chunked, prefill-first): each `step()` takes in new requests, asks the policy for
+a plan, runs its batch (prompt chunks and decode rows together) on every unit and samples the
+requests it brought to their next token."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from bulletserve.engine.request import Request, RequestOutput, RequestState
+from bulletserve.engine.runner import SeqWork
+from bulletserve.executor.record import write_step
+from bulletserve.executor.single import begin_single_step, end_single_step, scheduler_snapshot
+from bulletserve.sched import make_policy
+from bulletserve.sched.base import Policy, SchedulerSnapshot
+
+if TYPE_CHECKING:
+    from bulletserve.engine.engine import LLMEngine
+
+
+class SingleLane:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.policy: Policy = make_policy(engine.config.policy, engine.config.chunk_size)
+        device = engine.device
+        # The device's units, as the step log counts them: SMs on a GPU, threads on a CPU.
+        if device.type == "cuda":
+            self.units = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.units = torch.get_num_threads()
+
+    def thread_counts(self) -> list[int]:
+        return [torch.get_num_threads()]
+
+    def snapshot(self) -> SchedulerSnapshot:
+        engine, config = self.engine, self.engine.config
+        return scheduler_snapshot(
+            engine.book, engine.clock.now(), config.max_num_seqs, config.max_num_batched_tokens
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; outputs of requests that progressed or ended."""
+        engine = self.engine
+        outputs = engine._drain_inbox()
+        step = begin_single_step(engine.book, self.policy.plan(self.snapshot()))
+        for request in step.preempted:
+            request.state = RequestState.WAITING
+        if not step.batch:
+            return outputs
+        works = []
+        now = engine.clock.now()
+        for request, num_tokens in step.batch:
+            start = request.num_computed_tokens
+            end = start + num_tokens
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = now
+            works.append(
+                SeqWork(
+                    request.token_ids(start, end),
+                    start,
+                    request.block_table,
+                    end == request.num_tokens,
+                )
+            )
+        (logits, sampling), measured = engine.clock.run_single(
+            step, self.units, partial(self._execute, works)
+        )
+        if engine.step_log:
+            write_step(engine.step_log, step.record(engine.clock.now(), self.units, measured))
+            engine.step_log.flush()
+        end_single_step(step)
+        for request, _ in step.batch:
+            if request.num_computed_tokens < request.num_tokens:
+                request.state = RequestState.PREFILLING
+        # The runner's row order (prompts of one token sit with the decode rows).
+        sampled = [step.batch[i][0] for i in sampling]
+        if sampled:
+            stop_sets = [r.stop_ids for r in sampled]
+            tokens, logprobs = engine.sampler.sample(logits, sampled, stop_sets)
+            now = engine.clock.now()
+            for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+                engine._append_token(request, token, logprob, now)
+        for request in sampled:
+            outputs.append(engine._output(request))
+        return outputs
+
+    def _execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
+        engine = self.engine
+        logits, sampling = engine.runner.execute(works)
+        if engine.step_log and engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)  # the step's device time, not its launch time
+        return logits, sampling
+
+    # ---- the rest of the executor interface: one lane computes only inside `step()` ---------
+
+    def wake(self) -> None:
+        pass
+
+    def has_pending(self) -> bool:
+        return False
+
+    def num_running(self) -> int:
+        return len(self.engine.running)
+
+    def lane_units(self) -> dict[str, tuple[int, float | None]]:
+        return {}
+
+    def outputs_handed_off(self) -> None:
+        pass
+
+    def finished(self, request: Request) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
