@@ -261,7 +261,10 @@ class LLMEngine:
         since the last call; outputs of requests that progressed or ended."""
         return self.executor.step()
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    # ---- for the executor (on the engine's thread, or under the lanes' state lock) ----------
+
+    def take_in(self) -> list[RequestOutput]:
+        """Queue the requests that came in; finish the aborted ones (their outputs)."""
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
@@ -273,12 +276,13 @@ class LLMEngine:
             if request is None or request.is_finished:
                 continue
             self._finish(request, "abort", RequestState.ABORTED)
-            outputs.append(self._output(request))
+            outputs.append(self.output(request))
         return outputs
 
-    def _append_token(
+    def append_token(
         self, request: Request, token: int, logprob: TokenLogprob | None, now: float
     ) -> None:
+        """A sampled token: detokenize, check stops and limits, finish the request if done."""
         params = request.params
         request.output_token_ids.append(token)
         if logprob is not None:
@@ -320,7 +324,9 @@ class LLMEngine:
         self.book.finish(request)
         self.executor.finished(request)
 
-    def _output(self, request: Request) -> RequestOutput:
+    def output(self, request: Request) -> RequestOutput:
+        """The request's output so far and what is new since the last one (a tail that could
+        still grow into a stop string held back)."""
         chars, tokens = self._emitted.get(request.request_id, (0, 0))
         visible = len(request.text)
         if not request.is_finished and request.params.stop:

@@ -241,7 +241,7 @@ class Lanes:
 
     def _plan(self, lane: Lane) -> BulletPlan:
         """Take in new requests and aborts, then the lane's plan (its split comes into force)."""
-        for output in self.engine._drain_inbox():
+        for output in self.engine.take_in():
             self._emit(output)
         return self.core.plan(lane, self.clock.now(), self.perf.corrections)
 
@@ -256,7 +256,7 @@ class Lanes:
 
     def _publish(self, requests: list[Request]) -> None:
         for request in requests:
-            self._emit(self.engine._output(request))
+            self._emit(self.engine.output(request))
 
     def _emit(self, output: RequestOutput) -> None:
         self._unhanded += 1
@@ -427,7 +427,7 @@ class Lanes:
                 ttft = now - request.timings.arrival
                 self.core.window.first_token(ttft, len(request.prompt_token_ids))
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
-            self.engine._append_token(request, token, logprob, now)
+            self.engine.append_token(request, token, logprob, now)
         self._publish(requests)
 
     # ---- the decode lane --------------------------------------------------------------------
@@ -461,7 +461,7 @@ class Lanes:
                     if request.is_finished:  # aborted while its step ran: its token is dropped
                         self.book.release_blocks(request)
                     else:
-                        self.engine._append_token(request, token, logprob, now)
+                        self.engine.append_token(request, token, logprob, now)
                         alive.append(request)
                 if alive:
                     self._publish(alive)

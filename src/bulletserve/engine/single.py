@@ -43,7 +43,7 @@ class SingleLane:
     def step(self) -> list[RequestOutput]:
         """One scheduling step; outputs of requests that progressed or ended."""
         engine = self.engine
-        outputs = engine._drain_inbox()
+        outputs = engine.take_in()
         step = begin_single_step(engine.book, self.policy.plan(self.snapshot()))
         for request in step.preempted:
             request.state = RequestState.WAITING
@@ -81,9 +81,9 @@ class SingleLane:
             tokens, logprobs = engine.sampler.sample(logits, sampled, stop_sets)
             now = engine.clock.now()
             for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
-                engine._append_token(request, token, logprob, now)
+                engine.append_token(request, token, logprob, now)
         for request in sampled:
-            outputs.append(engine._output(request))
+            outputs.append(engine.output(request))
         return outputs
 
     def _execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
