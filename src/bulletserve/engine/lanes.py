@@ -96,8 +96,8 @@ class Lanes:
     def _make_policy(self) -> BulletPolicy:
         self.units: Units = lane_units(self.device, self.config.num_threads, self._team)
         dtype = DTYPE_NAMES[self.dtype]
-        profile = self._hardware_profile()
         mode, static = parse_partition(self.config.partition, self.units.total)
+        profile = self._hardware_profile()
         if isinstance(self.units, WholeGPU):
             mode, static = "none", None
         self.perf = PerfModel(self.model_config, profile, dtype)
