@@ -5,6 +5,8 @@ through the simulator give the same sequence of steps."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bulletserve.bench.metrics import SLO
@@ -42,7 +44,7 @@ def _requests(count: int, rate: float, seed: int) -> list[tuple[str, float, list
     return out
 
 
-def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests):
+def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests, kv_blocks=None):
     profile_path = tmp_path / "profile.json"
     profile.save(profile_path)
     log = tmp_path / "engine.steps.jsonl"
@@ -63,10 +65,12 @@ def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests):
         cpu_warmup_rows=0,
         step_log=str(log),
     )
+    if kv_blocks is not None:  # a pool that small makes the policies preempt
+        per_token = load_model_config(str(model_dir / "config.json")).kv_bytes_per_token(4)
+        config = dataclasses.replace(config, kv_cache_memory=str(kv_blocks * per_token * 16))
     perf = CachedPerfModel(load_model_config(str(model_dir / "config.json")), profile, "float32")
     clock = VirtualClock(perf, Noise(0.0, 0))
     engine = create_engine(config, clock)
-    num_blocks = engine.pool.num_blocks
     try:
         if policy == "bullet":
             _drive_lanes(engine, clock, requests)
@@ -74,7 +78,7 @@ def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests):
             _drive_one_lane(engine, clock, requests)
     finally:
         engine.close()
-    return read_step_log(log), num_blocks
+    return read_step_log(log), engine
 
 
 def _params(output_len: int) -> SamplingParams:
@@ -170,10 +174,23 @@ def test_engine_and_simulator_make_the_same_decisions(
 ):
     requests = _requests(24, rate=6.0, seed=3)
     hw = PROFILES[profile]
-    engine, num_blocks = _engine_steps(tiny_llama_dir, tmp_path, hw, policy, partition, requests)
+    steps, engine = _engine_steps(tiny_llama_dir, tmp_path, hw, policy, partition, requests)
+    num_blocks = engine.pool.num_blocks
     sim = _sim_steps(tmp_path, hw, policy, partition, requests, tiny_llama_dir, num_blocks)
-    assert len(engine) > 20
-    assert _decisions(engine) == _decisions(sim)
+    assert len(steps) > 20
+    assert _decisions(steps) == _decisions(sim)
     if policy == "bullet" and partition == "auto":
-        rules = {s.rule for s in engine}
+        rules = {s.rule for s in steps}
         assert rules & {"fused", "fused-ttft-first", "decode-fewest", "turns"}, rules
+
+
+@pytest.mark.parametrize("policy", ["bullet", "chunked"])
+def test_they_preempt_alike_when_the_kv_pool_runs_out(tiny_llama_dir, tmp_path, policy):
+    requests = _requests(24, rate=12.0, seed=5)
+    hw = PROFILES["sharing"]
+    steps, engine = _engine_steps(
+        tiny_llama_dir, tmp_path, hw, policy, "auto", requests, kv_blocks=16
+    )
+    assert engine.pool.num_blocks == 16 and engine.num_preemptions > 0
+    sim = _sim_steps(tmp_path, hw, policy, "auto", requests, tiny_llama_dir, 16)
+    assert _decisions(steps) == _decisions(sim)
