@@ -1,28 +1,64 @@
 """The engine's own time per decode step outside the model runner, offline (no server).
 
-For each batch size, `batch` requests decode together under prefill-first on the default model;
+For each batch size, `batch` requests decode together under prefill-first on the model
+(default: the embedded one; `--model tiny --load-format dummy`, a model so small that its step
+is nearly all host);
 each engine step is timed whole and its `ModelRunner.execute` call alone, and the medians of the
 decode steps (after five) are printed: what scheduling, sampling, detokenization and
 bookkeeping add to a step.
 
     .venv/bin/python scripts/engine_host_cost.py --batches 1,8,16,32 [--temperature 1]
+    .venv/bin/python scripts/engine_host_cost.py --model tiny --load-format dummy \
+        --batches 1,16,64,256
 
 `--temperature` 0 (the default) samples greedily; 1 is what a server request without a
-temperature gets, and what `bullet bench` runs.
+temperature gets, and what `bullet bench` runs. `--breakdown` also profiles the decode steps of
+the largest batch (cProfile) and prints where an engine step's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
 from bulletserve import LLM, SamplingParams
 
+# The parts of an engine step, as (file suffix, function name) of the call that holds each.
+PARTS = {
+    "take in requests": ("engine/engine.py", "take_in"),
+    "plan (policy)": ("sched/prefill_first.py", "plan"),
+    "book: preempt, admit, KV blocks": ("executor/single.py", "begin_single_step"),
+    "runner: inputs to tensors": ("engine/runner.py", "prepare"),
+    "runner: embed + layers": ("model/decoder.py", "run_layers"),
+    "runner: LM head": ("engine/runner.py", "logits"),
+    "sampler": ("engine/sampler.py", "sample"),
+    "tokens: detokenize, stops": ("engine/engine.py", "append_token"),
+    "outputs": ("engine/engine.py", "output"),
+}
 
-def measure(batch: int, output_len: int, temperature: float) -> tuple[float, float]:
-    """(median engine step seconds, median runner seconds) of full-batch decode steps."""
-    engine = LLM(policy="prefill-first", max_model_len=1024, max_num_seqs=batch).engine
+
+def measure(
+    batch: int,
+    output_len: int,
+    temperature: float,
+    model: str | None,
+    load_format: str,
+    profile: cProfile.Profile | None = None,
+) -> tuple[float, float]:
+    """(median engine step seconds, median runner seconds) of full-batch decode steps; with
+    `profile`, the decode steps after the first five run under it."""
+    engine = LLM(
+        model=model,
+        load_format=load_format,
+        policy="prefill-first",
+        max_model_len=1024,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, 64 * batch),
+    ).engine
+    vocab = engine.model_config.vocab_size
     runner_times: list[tuple[int, float]] = []
     execute = engine.runner.execute
 
@@ -35,12 +71,17 @@ def measure(batch: int, output_len: int, temperature: float) -> tuple[float, flo
     engine.runner.execute = timed
     params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([(i * 31 + j * 7) % 40000 + 5 for j in range(64)], params)
+        engine.add_request([(i * 31 + j * 7) % (vocab - 5) + 5 for j in range(64)], params)
     steps = []
     while engine.has_unfinished():
+        profiling = profile is not None and len(steps) > 10  # decode steps, past the first
+        if profiling:
+            profile.enable()
         start = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - start)
+        if profiling:
+            profile.disable()
     decode = [(s, r) for s, (n, r) in zip(steps, runner_times, strict=True) if n == batch][5:]
     return statistics.median(s for s, _ in decode), statistics.median(r for _, r in decode)
 
@@ -50,12 +91,41 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,16,32")
     parser.add_argument("--output-len", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--breakdown", action="store_true", help="profile the largest batch")
     args = parser.parse_args()
     print("| batch | engine step ms | runner ms | outside the runner ms |")
     print("|---|---|---|---|")
-    for batch in (int(b) for b in args.batches.split(",")):
-        step, runner = measure(batch, args.output_len, args.temperature)
+    batches = [int(b) for b in args.batches.split(",")]
+    profile = cProfile.Profile() if args.breakdown else None
+    for batch in batches:
+        step, runner = measure(
+            batch,
+            args.output_len,
+            args.temperature,
+            args.model,
+            args.load_format,
+            profile if batch == max(batches) else None,
+        )
         print(f"| {batch} | {step * 1e3:.2f} | {runner * 1e3:.2f} | {(step - runner) * 1e3:.2f} |")
+    if profile is not None:
+        print_breakdown(profile, max(batches))
+
+
+def print_breakdown(profile: cProfile.Profile, batch: int) -> None:
+    """Cumulative time per part of the profiled decode steps, as a share of the whole."""
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    total = sum(tt for _, _, tt, _, _ in stats.values())
+    print(f"\nWhere a decode step of {batch} rows goes (cProfile, cumulative):\n")
+    print("| part | share of the step |")
+    print("|---|---:|")
+    for part, (suffix, name) in PARTS.items():
+        spent = sum(
+            ct for (file, _, fn), (_, _, _, ct, _) in stats.items()
+            if fn == name and file.endswith(suffix)
+        )  # fmt: skip
+        print(f"| {part} | {100 * spent / total:.1f}% |")
 
 
 if __name__ == "__main__":
