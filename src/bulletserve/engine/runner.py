@@ -122,15 +122,23 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sampling_order: list[int] = []
+        # A decode row's position and KV slot are plain integers, gathered into one tensor each
+        # (per-row tensor ops cost more than the tiny model's layers at hundreds of rows).
+        decode_positions: list[int] = []
+        decode_slots: list[int] = []
+        size = self.block_size
         for index in order:
             work = works[index]
             query_len = len(work.token_ids)
             end = work.start + query_len
             query_start = len(input_ids)
             input_ids.extend(work.token_ids)
-            positions.append(torch.arange(work.start, end))
-            slot_mapping.append(self._slots(work.block_table, work.start, end))
-            if query_len > 1:
+            if query_len == 1:
+                decode_positions.append(work.start)
+                decode_slots.append(work.block_table[work.start // size] * size + work.start % size)
+            else:
+                positions.append(torch.arange(work.start, end))
+                slot_mapping.append(self._slots(work.block_table, work.start, end))
                 context_slots = mask = None
                 if work.start > 0 and self.prefill_kernel is None:
                     context_slots = self._slots(work.block_table, 0, end).to(self.device)
@@ -141,6 +149,9 @@ class ModelRunner:
             if work.samples:
                 logits_rows.append(query_start + query_len - 1)
                 sampling_order.append(index)
+        if decodes:
+            positions.append(torch.tensor(decode_positions, dtype=torch.long))
+            slot_mapping.append(torch.tensor(decode_slots, dtype=torch.long))
         num_prefill_tokens = sum(len(works[i].token_ids) for i in prefills)
         num_tokens = len(input_ids)
         if self.pad_rows:
