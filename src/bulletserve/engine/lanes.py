@@ -1,5 +1,7 @@
 """Bullet's executor: a prefill lane and a decode lane on their own threads, sharing the weights
-and the KV pool, each running on the units the scheduler gives it at every step.
+and the KV pool, each running on the units the scheduler gives it at every step. The lanes'
+state machine is `executor.lanes.LaneCore`, the simulator's too; this module adds the threads,
+the device and the tokens, on the engine's clock (the wall clock, or a virtual one under test).
 
 Each lane loops: under the state lock, take a snapshot and ask the policy for a plan, apply its
 bookkeeping; release the lock and run the model on the lane's units; retake the lock to sample
