@@ -62,9 +62,9 @@ def measure(
     runner_times: list[tuple[int, float]] = []
     execute = engine.runner.execute
 
-    def timed(works):
+    def timed(works, out=None):
         start = time.perf_counter()
-        result = execute(works)
+        result = execute(works, out)
         runner_times.append((len(works), time.perf_counter() - start))
         return result
 

@@ -130,7 +130,7 @@ def test_api_key_guards_v1_only(engine):
 def test_an_engine_fault_fails_requests_with_500_and_health_503():
     engine = tiny_engine()
 
-    def broken_execute(works):
+    def broken_execute(works, out=None):
         raise RuntimeError("injected device fault")
 
     try:
@@ -156,12 +156,12 @@ def test_a_fault_mid_stream_ends_the_stream_with_an_error_event():
     real_execute = engine.engine.runner.execute
     calls = 0
 
-    def fails_on_the_fifth_step(works):
+    def fails_on_the_fifth_step(works, out=None):
         nonlocal calls
         calls += 1
         if calls == 5:
             raise RuntimeError("injected device fault")
-        return real_execute(works)
+        return real_execute(works, out)
 
     engine.engine.runner.execute = fails_on_the_fifth_step
     try:
@@ -180,11 +180,11 @@ def test_beyond_max_waiting_requests_is_429():
     engine = tiny_engine(max_num_seqs=1)
     real_execute = engine.engine.runner.execute
 
-    def slowed(works):
+    def slowed(works, out=None):
         # Seconds for the running request, so it cannot end (at its context length) and let
         # the queued one in before the third request arrives.
         time.sleep(0.01)
-        return real_execute(works)
+        return real_execute(works, out)
 
     engine.engine.runner.execute = slowed
     try:

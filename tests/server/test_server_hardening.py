@@ -80,9 +80,9 @@ def test_a_burst_never_leaves_more_waiting_than_the_cap():
     engine = tiny_engine(max_num_seqs=8)
     real_execute = engine.engine.runner.execute
 
-    def slowed(works):  # so that no accepted request ends while the burst comes in
+    def slowed(works, out=None):  # so that no accepted request ends while the burst comes in
         time.sleep(0.02)
-        return real_execute(works)
+        return real_execute(works, out)
 
     engine.engine.runner.execute = slowed
     waiting_seen: list[int] = []

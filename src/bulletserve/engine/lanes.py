@@ -30,6 +30,7 @@ from bulletserve.engine.runner import SeqWork, StepBatch
 from bulletserve.engine.sampler import Sampler
 from bulletserve.executor.lanes import LaneCore, LaneStep
 from bulletserve.executor.record import Lane, write_step
+from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
 from bulletserve.perf.hardware import HardwareProfile
@@ -94,6 +95,8 @@ class Lanes:
         # lock, where the prefill lane may sample at the same time: a generator of its own
         # (torch.Generator is not safe to share between threads).
         self._decode_sampler = Sampler(config.seed + 1)
+        # Each lane's logits, in memory of its own reused from step to step.
+        self._logits = {"prefill": LogitsBuffer(), "decode": LogitsBuffer()}
 
     def _make_policy(self) -> BulletPolicy:
         self.units: Units = lane_units(self.device, self.config.num_threads, self._team)
@@ -387,7 +390,7 @@ class Lanes:
         )
         logits = None
         if last == self.model_config.num_layers and batch.sampling_order:
-            logits = self.runner.logits(hidden, batch)
+            logits = self.runner.logits(hidden, batch, self._logits["prefill"])
         self.units.synchronize()  # the step's device time, not its launch time
         return hidden, logits, time.perf_counter() - start
 
@@ -399,7 +402,7 @@ class Lanes:
         160 rows it added 30 ms to a 100 ms step, where the single-lane engine samples on
         every thread. The requests are busy, so no other thread changes what it reads."""
         start = time.perf_counter()
-        logits, _ = self.runner.execute(works)
+        logits, _ = self.runner.execute(works, self._logits["decode"])
         self.units.synchronize()
         runner_s = time.perf_counter() - start
         tokens, logprobs = self._decode_sampler.sample(

@@ -13,7 +13,7 @@ from bulletserve.model.cpu_kernels import (
     fused_ops,
     prefill_attention_kernel,
 )
-from bulletserve.model.decoder import DecoderLM, Linear
+from bulletserve.model.decoder import DecoderLM, Linear, LogitsBuffer
 
 # On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and the oneDNN packed projections
 # in any dtype; PyTorch's own fp32 GEMM goes to MKL, and our blocked one to our C, which do
@@ -228,8 +228,11 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
-        """Run one step; return fp32 logits for sampling sequences and their indices in `works`."""
+    def execute(
+        self, works: list[SeqWork], out: LogitsBuffer | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; return fp32 logits for sampling sequences (in `out`'s memory, if
+        given) and their indices in `works`."""
         if self.graphs is not None and self.graphs.fits(works):
             return self.graphs.run(works), list(range(len(works)))
         batch = self.prepare(works)
@@ -237,11 +240,13 @@ class ModelRunner:
         hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)
         if not batch.sampling_order:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
-        return self.logits(hidden, batch), batch.sampling_order
+        return self.logits(hidden, batch, out), batch.sampling_order
 
-    def logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def logits(
+        self, hidden: torch.Tensor, batch: StepBatch, out: LogitsBuffer | None = None
+    ) -> torch.Tensor:
         """fp32 logits of the batch's sampling rows, padding rows dropped."""
-        return self.model.logits(hidden, batch.logits_rows)[: len(batch.sampling_order)]
+        return self.model.logits(hidden, batch.logits_rows, out)[: len(batch.sampling_order)]
 
 
 def warm_cpu_gemms(

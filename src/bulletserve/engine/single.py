@@ -13,6 +13,7 @@ from bulletserve.engine.request import Request, RequestOutput, RequestState
 from bulletserve.engine.runner import SeqWork
 from bulletserve.executor.record import write_step
 from bulletserve.executor.single import begin_single_step, end_single_step, scheduler_snapshot
+from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot
 
@@ -24,6 +25,7 @@ class SingleLane:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.policy: Policy = make_policy(engine.config.policy, engine.config.chunk_size)
+        self._logits = LogitsBuffer()
         device = engine.device
         # The device's units, as the step log counts them: SMs on a GPU, threads on a CPU.
         if device.type == "cuda":
@@ -88,7 +90,7 @@ class SingleLane:
 
     def _execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
         engine = self.engine
-        logits, sampling = engine.runner.execute(works)
+        logits, sampling = engine.runner.execute(works, self._logits)
         if engine.step_log and engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)  # the step's device time, not its launch time
         return logits, sampling
