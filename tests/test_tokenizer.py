@@ -49,3 +49,13 @@ def test_chat_template_and_end_of_turn_token():
     assert text.endswith("<|im_start|>assistant\n")
     im_end = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
     assert im_end in stop_token_ids(TOKENIZER, ())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 49151), min_size=1, max_size=12))
+def test_the_detokenizer_decodes_as_the_tokenizer_does(ids):
+    """It decodes through the Rust tokenizer directly where transformers' fast decode adds
+    nothing: the text must be the same for any ids, special tokens included."""
+    from bulletserve.model.tokenizer import _decoder
+
+    assert _decoder(TOKENIZER)(ids) == TOKENIZER.decode(ids, skip_special_tokens=True)
