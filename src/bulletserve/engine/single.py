@@ -70,7 +70,8 @@ class SingleLane:
             step, self.units, partial(self._execute, works)
         )
         if engine.step_log:
-            write_step(engine.step_log, step.record(engine.clock.now(), self.units, measured))
+            es = step.execution_state(self.units)[0]
+            write_step(engine.step_log, step.record(engine.clock.now(), self.units, es, measured))
             engine.step_log.flush()
         end_single_step(step)
         for request, _ in step.batch:

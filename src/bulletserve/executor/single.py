@@ -55,9 +55,15 @@ class SingleStep(Generic[E]):
         return fused_step_state(self.prefill, self.decode_ctx, units)
 
     def record(
-        self, time: float, units: int, measured_s: float, predicted_s: float | None = None
+        self,
+        time: float,
+        units: int,
+        state: ExecutionState,
+        measured_s: float,
+        predicted_s: float | None = None,
     ) -> StepRecord:
-        """The step as the step log records it: every unit to the phases it ran."""
+        """The step as the step log records it: every unit to the phases it ran; `state` is
+        its `execution_state(units)`."""
         return StepRecord(
             time=time,
             lane=self.lane,
@@ -66,7 +72,7 @@ class SingleStep(Generic[E]):
             batch_size=len(self.batch),
             prefill_tokens=self.prefill_tokens,
             decode_rows=len(self.decode_ctx),
-            state=self.execution_state(units)[0],
+            state=state,
             measured_s=measured_s,
             predicted_s=predicted_s,
         )

@@ -29,7 +29,7 @@ class CachedPerfModel(PerfModel):
         self._cache: dict[ExecutionState, StepPrediction] = {}
 
     def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
-        if corrections is not None and corrections != self.corrections:
+        if corrections is not None and corrections is not self.corrections:
             return super().predict(es, corrections)
         hit = self._cache.get(es)
         if hit is None:
@@ -55,10 +55,11 @@ class Noise:
 
 @dataclass(frozen=True)
 class SingleTiming:
-    """A single-lane step on the modeled device: the prediction for its batch on every unit,
-    that times noise, and the engine's host time after it for the rows it samples (its tokens
-    reach their streams after that)."""
+    """A single-lane step on the modeled device: its batch as the performance model takes it,
+    the prediction for it on every unit, that times noise, and the engine's host time after it
+    for the rows it samples (its tokens reach their streams after that)."""
 
+    state: ExecutionState
     predicted_s: float
     measured_s: float
     host_s: float
@@ -72,7 +73,7 @@ def time_single_step(
     prediction = perf.predict(es)
     predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
     sampled = sum(r.num_computed_tokens + n == r.num_tokens for r, n in step.batch)
-    return SingleTiming(predicted, predicted * noise.factor(), perf.host_s(sampled))
+    return SingleTiming(es, predicted, predicted * noise.factor(), perf.host_s(sampled))
 
 
 @dataclass

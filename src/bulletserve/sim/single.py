@@ -43,4 +43,5 @@ def run_single_lane(
         now += timing.measured_s + timing.host_s
         for request in step.sampled():
             state.append_token(request, now)
-        state.log_step(step.record(now, units, timing.measured_s, timing.predicted_s))
+        record = step.record(now, units, timing.state, timing.measured_s, timing.predicted_s)
+        state.log_step(record)

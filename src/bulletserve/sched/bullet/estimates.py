@@ -111,13 +111,13 @@ class Estimator:
         decode_ctx: tuple[int, ...],
         layers: int,
         remaining_layers: int,
+        d: int,
     ) -> float:
-        """The work a second of the lanes side by side (decode on its fewest units) against
-        the lanes taking turns on every unit (1.0): each lane side by side runs at some share
-        of its speed alone, and the shares sum past 1 where sharing gains. 0.0 when decode would
-        leave prefill no unit, or a prompt of the batch would reach the at-risk share of its
-        TTFT budget at the slower side-by-side speed."""
-        d = self.fewest_decode_units(lens, cached, decode_ctx, layers)
+        """The work a second of the lanes side by side, decode on `d` units (its fewest,
+        `fewest_decode_units`), against the lanes taking turns on every unit (1.0): each lane
+        side by side runs at some share of its speed alone, and the shares sum past 1 where
+        sharing gains. 0.0 when decode would leave prefill no unit, or a prompt of the batch
+        would reach the at-risk share of its TTFT budget at the slower side-by-side speed."""
         if self.units.total - d <= 0:
             return 0.0
         side_by_side = self.side_by_side(lens, cached, decode_ctx, layers, d)

@@ -103,6 +103,7 @@ class Situation:
             self.decode_ctx,
             self.layers,
             remaining,
+            self.fewest_decode_units,
         )
 
     @cached_property
