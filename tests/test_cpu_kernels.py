@@ -21,19 +21,7 @@ from bulletserve.model.cpu_kernels import (
     prefill_attention_kernel,
 )
 from bulletserve.model.decoder import Linear, apply_rope
-
-
-def reference(q, k_cache, v_cache, tables, lens, block_size, scale):
-    out = torch.empty(q.shape, dtype=torch.float64)
-    group = q.shape[1] // k_cache.shape[1]
-    for b, length in enumerate(lens.tolist()):
-        slots = torch.arange(length)
-        slots = tables[b, slots // block_size].long() * block_size + slots % block_size
-        keys = k_cache[slots].double().repeat_interleave(group, dim=1)  # [T, H, D]
-        values = v_cache[slots].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[b].double(), keys) * scale
-        out[b] = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
-    return out
+from tests.attention_reference import decode_reference, prefill_reference
 
 
 @pytest.mark.parametrize(
@@ -71,24 +59,11 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, to
     q = torch.randn(len(lens), heads, head_dim, generator=generator).to(dtype)
     scale = head_dim**-0.5
 
-    out = kernel(q, k_cache, v_cache, tables, lens, block_size, scale)
-    expected = reference(q, k_cache, v_cache, tables, lens, block_size, scale)
+    out = torch.empty_like(q)
+    kernel(q, k_cache, v_cache, tables, lens, block_size, scale, out)
+    expected = decode_reference(q, k_cache, v_cache, tables, lens, block_size, scale)
     assert torch.isfinite(out).all()
     assert torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance)
-
-
-def prefill_reference(q, k_cache, v_cache, table, cached, block_size, scale):
-    """Causal attention of q's rows (positions cached, cached + 1, ...) over the cache."""
-    length = cached + q.shape[0]
-    group = q.shape[1] // k_cache.shape[1]
-    slots = torch.arange(length)
-    slots = table[slots // block_size].long() * block_size + slots % block_size
-    keys = k_cache[slots].double().repeat_interleave(group, dim=1)  # [T, H, D]
-    values = v_cache[slots].double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,thd->hqt", q.double(), keys) * scale
-    visible = torch.arange(length)[None, :] <= (cached + torch.arange(q.shape[0]))[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqt,thd->qhd", scores.softmax(-1), values)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from bulletserve.model.cpu_kernels import (
 )
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
+from bulletserve.model.triton_attention import TritonDecodeAttention, TritonPrefillAttention
 from tests.tiny_models import make_hf_model
 
 LLAMA31_ROPE = {
@@ -68,12 +69,13 @@ def test_single_prompt_logits_match(pair):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kernels", ["ours-onednn", "ours-blocked", "pytorch"])
+@pytest.mark.parametrize("kernels", ["ours-onednn", "ours-blocked", "pytorch", "triton"])
 def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_path):
     """A fresh prefill, a chunk after a cached prefix, and decodes, all in one step; through our
     CPU kernels (prefill and decode attention, fused norms, RoPE, SiLU, packed projections by
-    oneDNN or our blocked GEMM, forced on whatever the load-time timings chose) and through
-    PyTorch ops alone."""
+    oneDNN or our blocked GEMM, forced on whatever the load-time timings chose), through
+    PyTorch ops alone, and through our Triton attention kernels (the CUDA path; here in
+    Triton's interpreter) with PyTorch ops around them."""
     reference, runner = pair
     getter = {"ours-onednn": onednn_linear_kernel, "ours-blocked": blocked_linear_kernel}
     ours = kernels in getter
@@ -97,9 +99,13 @@ def test_ragged_batch_from_paged_cache_matches(pair, kernels, monkeypatch, tmp_p
     runner = ModelRunner(model, runner.pool, cpu)
     if ours:  # forced on, whatever the load-time timing against SDPA chose
         runner.prefill_kernel = prefill_kernel
-    if kernels == "pytorch":
+    if kernels in ("pytorch", "triton"):
         runner.decode_kernel = runner.prefill_kernel = runner.kv_writer = None
         runner.model.use_fused_ops(None)
+    if kernels == "triton":
+        group = config.num_heads // config.num_kv_heads
+        runner.decode_kernel = TritonDecodeAttention(config.head_dim, group, sm_count=8)
+        runner.prefill_kernel = TritonPrefillAttention(config.head_dim, group)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (11, 23, 9, 30)]
     tables = [runner.pool.allocator.allocate(-(-len(s) // 4)) for s in seqs]

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from bulletserve.kv.pool import KVPool
-from bulletserve.model.attention import AttentionMetadata, PrefillSpan, prefill_kernel_outruns_sdpa
+from bulletserve.model.attention import (
+    AttentionMetadata,
+    DecodeKernel,
+    PrefillKernel,
+    PrefillSpan,
+    prefill_kernel_outruns_sdpa,
+    triton_kernels,
+)
 from bulletserve.model.cpu_kernels import (
     decode_attention_kernel,
     fused_ops,
@@ -88,13 +95,20 @@ class ModelRunner:
         self._block_offsets = torch.arange(self.block_size)
         config = model.config
         group = config.num_heads // config.num_kv_heads
-        self.decode_kernel = decode_attention_kernel(pool.kv.dtype, config.head_dim, group, device)
-        kernel = prefill_attention_kernel(pool.kv.dtype, config.head_dim, group, device)
-        if kernel is not None and not prefill_kernel_outruns_sdpa(
-            kernel, config.num_heads, config.num_kv_heads, config.head_dim, pool.kv.dtype
-        ):
-            kernel = None
-        self.prefill_kernel = kernel
+        self.decode_kernel: DecodeKernel | None
+        self.prefill_kernel: PrefillKernel | None
+        if device.type == "cuda":
+            self.decode_kernel, self.prefill_kernel = triton_kernels(config.head_dim, group, device)
+        else:
+            self.decode_kernel = decode_attention_kernel(
+                pool.kv.dtype, config.head_dim, group, device
+            )
+            kernel = prefill_attention_kernel(pool.kv.dtype, config.head_dim, group, device)
+            if kernel is not None and not prefill_kernel_outruns_sdpa(
+                kernel, config.num_heads, config.num_kv_heads, config.head_dim, pool.kv.dtype
+            ):
+                kernel = None
+            self.prefill_kernel = kernel
         self.kv_writer = fused_ops(pool.kv.dtype, device)
         # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine under
         # --cuda-graphs; typed loosely here because that module builds on this one.
@@ -190,7 +204,7 @@ class ModelRunner:
             "prefill_kernel": self.prefill_kernel,
             "prefill_block_tables": self._block_tables(
                 [w.block_table for w in works], [w.start + len(w.token_ids) for w in works]
-            ),
+            ).to(self.device),
             "prefill_spans": torch.tensor(
                 [
                     [span.query_start for span in spans],
@@ -198,7 +212,7 @@ class ModelRunner:
                     [span.cached_len for span in spans],
                 ],
                 dtype=torch.int32,
-            ),
+            ).to(self.device),
             "block_size": self.block_size,
         }
 
@@ -217,8 +231,8 @@ class ModelRunner:
         if self.decode_kernel is not None:
             return {
                 "decode_kernel": self.decode_kernel,
-                "decode_block_tables": tables,
-                "decode_context_lens": torch.tensor(contexts, dtype=torch.int32),
+                "decode_block_tables": tables.to(self.device),
+                "decode_context_lens": torch.tensor(contexts, dtype=torch.int32).to(self.device),
                 "block_size": self.block_size,
             }
         slots, valid = context_slots(tables, contexts, self.block_size, max(contexts))

@@ -8,16 +8,70 @@ and shared by all layers.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from bulletserve.model.cpu_kernels import DecodeAttentionKernel, FusedOps, PrefillAttentionKernel
+from bulletserve.model.cpu_kernels import FusedOps, PrefillAttentionKernel
 
 log = logging.getLogger(__name__)
+
+
+class DecodeKernel(Protocol):
+    """Decode attention reading the paged cache in place (`cpu_kernels` on a CPU,
+    `triton_attention` on CUDA)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None: ...
+
+
+class PrefillKernel(Protocol):
+    """Causal prefill attention over cached and new keys, reading the paged cache in place."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        spans: torch.Tensor,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None: ...
+
+
+def triton_kernels(
+    head_dim: int, group: int, device: torch.device
+) -> tuple[DecodeKernel | None, PrefillKernel | None]:
+    """Our Triton kernels on a CUDA device, or (None, None) with a warning where Triton is
+    missing or `BULLET_TRITON=0` (then attention gathers each context for PyTorch's SDPA)."""
+    if os.environ.get("BULLET_TRITON") == "0":
+        return None, None
+    try:
+        from bulletserve.model.triton_attention import (
+            TritonDecodeAttention,
+            TritonPrefillAttention,
+        )
+    except ImportError as error:
+        log.warning("no Triton (%s): attention gathers every context for PyTorch SDPA", error)
+        return None, None
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return TritonDecodeAttention(head_dim, group, sm_count), TritonPrefillAttention(head_dim, group)
 
 
 @dataclass
@@ -50,13 +104,13 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_context]
     # Writes the new keys and values through our CPU op (else index_copy_).
     kv_writer: FusedOps | None = None
-    # Prefills through our CPU kernel, which reads the blocks in place: every span's block
-    # table, and int32 [3, spans] of first query row, query length and cached length.
-    prefill_kernel: PrefillAttentionKernel | None = None
+    # Prefills through our kernel, which reads the blocks in place: every span's block table,
+    # and int32 [3, spans] of first query row, query length and cached length.
+    prefill_kernel: PrefillKernel | None = None
     prefill_block_tables: torch.Tensor | None = None
     prefill_spans: torch.Tensor | None = None
-    # Decodes through our CPU kernel, which reads the blocks in place.
-    decode_kernel: DecodeAttentionKernel | None = None
+    # Decodes through our kernel, which reads the blocks in place.
+    decode_kernel: DecodeKernel | None = None
     decode_block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # int32 [batch]
     block_size: int = 0
@@ -114,7 +168,7 @@ def paged_attention(
             )
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode_kernel is not None and meta.decode_block_tables is not None:
-        out[meta.num_prefill_tokens : tokens] = meta.decode_kernel(
+        meta.decode_kernel(
             q[meta.num_prefill_tokens : tokens],
             k_cache,
             v_cache,
@@ -122,6 +176,7 @@ def paged_attention(
             meta.decode_context_lens,
             meta.block_size,
             scale,
+            out[meta.num_prefill_tokens : tokens],
         )
     elif meta.decode_slots is not None:
         batch, max_context = meta.decode_slots.shape

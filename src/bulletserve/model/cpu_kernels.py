@@ -133,15 +133,18 @@ class DecodeAttentionKernel:
         context_lens: torch.Tensor,
         block_size: int,
         scale: float,
-    ) -> torch.Tensor:
-        """q: [B, H, D]; caches: [slots, KVH, D] with slot = block * block_size + offset;
-        block_tables: int32 [B, max_blocks]; context_lens: int32 [B]. Returns [B, H, D]."""
+        out: torch.Tensor,
+    ) -> None:
+        """Writes into `out` ([B, H, D], contiguous) the attention of q ([B, H, D]) over each
+        sequence's `context_lens` tokens; caches: [slots, KVH, D] with slot = block *
+        block_size + offset; block_tables: int32 [B, max_blocks]; context_lens: int32 [B]."""
         q = q.contiguous()
-        for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
             if tensor.dtype != q.dtype or not tensor.is_contiguous():
                 raise ValueError(f"{name} must be contiguous {q.dtype}, got {tensor.dtype}")
+        if out.shape != q.shape:
+            raise ValueError(f"out {tuple(out.shape)} does not match q {tuple(q.shape)}")
         batch, num_heads, head_dim = q.shape
-        out = torch.empty_like(q)
         failed = self.function(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -160,7 +163,6 @@ class DecodeAttentionKernel:
         )
         if failed:
             raise RuntimeError(f"decode attention kernel failed (code {failed})")
-        return out
 
 
 def decode_attention_kernel(
