@@ -4,7 +4,7 @@ Stages, each printing rows of one table and writing JSON to --out:
   splits: green-context splits; an n^3 GEMM's rate on each SM count, and two saturating GEMMs
           co-running on disjoint groups (their rates should add up to about the whole GPU's)
   steps:  a dummy model's prefill and decode step latency at three splits, alone and co-running
-  offline: LLM.generate per policy without the server, eager and with --cuda-graphs, with a
+  offline: LLM.generate per policy without the server, with CUDA graphs and --enforce-eager, with a
           torch.profiler table of the eager chunked run
   bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks)
 
@@ -142,7 +142,7 @@ def stage_offline(args, out: Path) -> list[dict]:
             tokenizer=args.tokenizer,
             max_model_len=1024,
             policy=policy,
-            cuda_graphs=graphs,
+            enforce_eager=not graphs,
             hardware_profile=args.hardware_profile if policy == "bullet" else None,
             step_log=(
                 str(out / f"offline-steps-bullet{'-graphs' if graphs else ''}.jsonl")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The lanes issue's GPU check, in one call on one H200 (under 8 minutes):
-#   tests -> tests/test_cuda.py (green contexts, the model and the lanes on a GPU);
+#   tests -> tests/test_cuda.py (green contexts, the model, graphs and the lanes on a GPU) and
+#   tests/test_triton_attention.py (our Triton kernels against the float64 reference);
 #   splits -> green-context GEMM scaling and disjointness; steps -> dummy Llama-3.1-8B bf16
 #   prefill/decode latency at three splits, alone and co-running; bench -> bullet vs chunked-1024
 #   at two rates through the real server, the bullet server on a `bullet profile --quick` of the
@@ -11,7 +12,7 @@
 # in .device/tokenizer; name both in the run's carry (carry=[".whl", ".device"]).
 # STAGES picks stages (default: tests steps offline bench); bench sizes: BENCH_PROMPTS
 # (default 40) and BENCH_RATES (default 4,8), requests fitted to 1024 tokens; BENCH_SERVER_FLAGS
-# adds serve flags to every server (e.g. --cuda-graphs); BENCH_POLICIES the servers (default
+# adds serve flags to every server (e.g. --enforce-eager); BENCH_POLICIES the servers (default
 # bullet,chunked-1024; also bullet-no-fuse and chunked-N).
 set -uo pipefail
 OUT=${OUT:-device-check}
@@ -33,9 +34,10 @@ stage() { case " ${STAGES:-tests steps offline bench} " in *" $1 "*) return 0 ;;
   nvidia-smi -L
   python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
   if stage tests; then
-    echo "== tests/test_cuda.py"
+    echo "== tests/test_cuda.py tests/test_triton_attention.py"
     # The whole report goes to tests.log; the table shows each failure's first error line.
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py \
+      tests/test_triton_attention.py \
       >"$OUT/tests.log" 2>&1
     grep -E "^(E  |FAILED|ERROR)|passed|failed" "$OUT/tests.log" | grep -v "^E  *$" | head -n 40
   fi

@@ -100,7 +100,7 @@ def _cuda_llm(model_dir, **settings) -> LLM:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
-    llm = _cuda_llm(tiny_llama_dir, policy="prefill-first")
+    llm = _cuda_llm(tiny_llama_dir, policy="prefill-first", enforce_eager=True)
     return [o.token_ids for o in llm.generate(random_prompts(12, seed=21), GREEDY)]
 
 
@@ -112,9 +112,9 @@ def reference(tiny_llama_dir):
         {"partition": "none"},
         {"partition": "static-half"},
         {"prefill_layers_per_step": 1, "kv_cache_memory": str(16 * TINY_LLAMA_BLOCK_BYTES)},
-        {"cuda_graphs": True},
+        {"enforce_eager": True},
     ],
-    ids=["auto", "layer-groups", "none", "static", "preempting", "cuda-graphs"],
+    ids=["auto", "layer-groups", "none", "static", "preempting", "eager"],
 )
 def test_bullet_on_sm_groups_equals_prefill_first(tiny_llama_dir, reference, settings, sms):
     if settings.get("partition") == "static-half":
@@ -130,14 +130,23 @@ def test_bullet_on_sm_groups_equals_prefill_first(tiny_llama_dir, reference, set
 
 
 def test_decode_graphs_replay_the_eager_greedy_tokens(tiny_llama_dir, reference):
-    llm = _cuda_llm(tiny_llama_dir, policy="prefill-first", cuda_graphs=True)
+    llm = _cuda_llm(tiny_llama_dir, policy="prefill-first")
+    graphs = llm.engine.runner.graphs
+    captured = len(graphs._graphs)
+    assert captured == len(graphs.batch_buckets)  # every bucket, at start
     outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
     assert [o.token_ids for o in outputs] == reference
-    assert llm.engine.runner.graphs._graphs  # decode steps did run as graphs
+    assert len(graphs._graphs) == captured  # no request waited for a capture
+
+
+def test_greedy_tokens_on_the_gpu_equal_the_cpus(tiny_llama_dir, reference):
+    cpu = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, device="cpu")
+    outputs = cpu.generate(random_prompts(12, seed=21), GREEDY)
+    assert [o.token_ids for o in outputs] == reference
 
 
 def test_a_graph_captured_on_a_green_context_stays_on_its_sms(sms):
-    """--cuda-graphs captures on the lane's stream and replays there: the replay must keep to
+    """A decode graph is captured on the lane's stream and replays there: the replay must keep to
     that stream's SMs, or a decode graph would take the whole GPU from the prefill lane. Last
     in the file: a capture that fails leaves PyTorch's CUDA generator in capture mode, and every
     later random draw in the process fails (an H200 run lost this test's error that way)."""

@@ -26,7 +26,7 @@ class EngineConfig:
     kv_cache_memory: str | None = None  # bytes or a fraction of free memory
     policy: str = "chunked"
     num_threads: int | None = None  # CPU intra-op threads; default: all usable cores
-    cuda_graphs: bool = False  # replay pure-decode steps as CUDA graphs
+    enforce_eager: bool = False  # on CUDA, run decode steps eagerly, not as CUDA graphs
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # Bullet (--policy bullet) only:
     partition: str = "auto"  # auto | none | static:P/D
@@ -122,10 +122,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "use, so that no request pays for building one (0: build each when first met)",
     )
     group.add_argument(
-        "--cuda-graphs",
+        "--enforce-eager",
         action="store_true",
-        help="replay pure-decode steps as CUDA graphs, one per (batch, context) bucket "
-        "(experimental: not yet run on a GPU)",
+        help="on CUDA, run decode steps eagerly; by default they replay as CUDA graphs, one per "
+        "batch bucket and SM group",
     )
     bullet = parser.add_argument_group("bullet (--policy bullet)")
     bullet.add_argument(

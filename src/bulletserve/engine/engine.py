@@ -85,8 +85,6 @@ class LLMEngine:
         self.config = config
         self.clock: Clock = clock or RealClock()
         self.device = resolve_device(config.device)
-        if config.cuda_graphs and self.device.type != "cuda":
-            raise ValueError("--cuda-graphs needs --device cuda")
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or usable_cores())
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -118,10 +116,8 @@ class LLMEngine:
                 "--max-model-len"
             )
         self.runner = ModelRunner(self.model, self.pool, self.device)
-        if config.cuda_graphs:
-            self.runner.graphs = DecodeGraphs(
-                self.model, self.pool, self.device, config.max_num_seqs, self.max_model_len
-            )
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -139,8 +135,30 @@ class LLMEngine:
         self.acks_handoff = False
         self.executor: Executor = _make_executor(self, team)
         self.policy = self.executor.policy
+        if self.runner.graphs is not None and config.policy != "bullet":
+            # One lane steps on this stream: its graphs are captured now, not by requests.
+            # Bullet's decode lane captures on each split's stream when it first runs there.
+            started = time.perf_counter()
+            self.runner.graphs.capture()
+            logger.info("captured decode graphs in %.1f s", time.perf_counter() - started)
         if builds_gemm_kernels(self.model, self.device) and config.cpu_warmup_rows:
             self._warm_cpu_gemms()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if self.runner.decode_kernel is None:
+            logger.warning(
+                "decode steps run eagerly: CUDA graphs need our Triton decode kernel (Triton is "
+                "missing or BULLET_TRITON=0)"
+            )
+            return None
+        return DecodeGraphs(
+            self.model,
+            self.pool,
+            self.device,
+            self.runner.decode_kernel,
+            self.config.max_num_seqs,
+            self.max_model_len,
+        )
 
     def _warm_cpu_gemms(self) -> None:
         config = self.config

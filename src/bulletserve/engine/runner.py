@@ -86,6 +86,15 @@ def context_slots(
     return torch.where(valid, slots, 0), valid
 
 
+def block_tables(tables: list[list[int]], contexts: list[int], block_size: int) -> torch.Tensor:
+    """int32 [sequences, blocks of the longest context] on the host, 0 past each table's end."""
+    width = -(-max(contexts) // block_size)
+    return torch.tensor(
+        [table[:width] + [0] * (width - len(table[:width])) for table in tables],
+        dtype=torch.int32,
+    )
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, pool: KVPool, device: torch.device) -> None:
         self.model = model
@@ -110,8 +119,8 @@ class ModelRunner:
                 kernel = None
             self.prefill_kernel = kernel
         self.kv_writer = fused_ops(pool.kv.dtype, device)
-        # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine under
-        # --cuda-graphs; typed loosely here because that module builds on this one.
+        # Captured decode graphs (engine.cuda_graphs.DecodeGraphs), set by the engine on CUDA
+        # unless --enforce-eager; typed loosely here because that module builds on this one.
         self.graphs = None
         # Whether steps pad their rows (padded_rows); tests turn it on and off.
         self.pad_rows = builds_gemm_kernels(model, device)
@@ -202,8 +211,10 @@ class ModelRunner:
         """Attention metadata of the prefilling sequences for our CPU kernel."""
         return {
             "prefill_kernel": self.prefill_kernel,
-            "prefill_block_tables": self._block_tables(
-                [w.block_table for w in works], [w.start + len(w.token_ids) for w in works]
+            "prefill_block_tables": block_tables(
+                [w.block_table for w in works],
+                [w.start + len(w.token_ids) for w in works],
+                self.block_size,
             ).to(self.device),
             "prefill_spans": torch.tensor(
                 [
@@ -216,18 +227,10 @@ class ModelRunner:
             "block_size": self.block_size,
         }
 
-    def _block_tables(self, tables: list[list[int]], contexts: list[int]) -> torch.Tensor:
-        """int32 [sequences, blocks of the longest context], 0 past each table's end."""
-        width = -(-max(contexts) // self.block_size)
-        return torch.tensor(
-            [table[:width] + [0] * (width - len(table[:width])) for table in tables],
-            dtype=torch.int32,
-        )
-
     def _decode_fields(self, works: list[SeqWork]) -> dict:
         """Attention metadata of the decoding sequences, for the kernel or the SDPA path."""
         contexts = [w.start + 1 for w in works]
-        tables = self._block_tables([w.block_table for w in works], contexts)
+        tables = block_tables([w.block_table for w in works], contexts, self.block_size)
         if self.decode_kernel is not None:
             return {
                 "decode_kernel": self.decode_kernel,
