@@ -41,6 +41,10 @@ def metric(url: str, name: str) -> float:
     return float(lines[0].rsplit(" ", 1)[1])
 
 
+def counts(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 def test_models_lists_the_served_model(client, engine):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
@@ -74,7 +78,7 @@ def test_streamed_completion_matches_the_plain_one(client):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == plain.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert not chunks[-1].choices and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    assert not chunks[-1].choices and counts(chunks[-1].usage) == counts(plain.usage)
 
 
 def test_prompt_as_token_ids_and_as_a_list_of_one_string(client, engine):
@@ -99,7 +103,10 @@ def test_chat_plain_and_streamed(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
-    assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    assert counts(chunks[-1].usage) == counts(plain.usage)
+    # The same prompt again: its full blocks come from the prefix cache.
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached == (plain.usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_stop_string_cuts_the_text_before_it(client):
@@ -213,3 +220,21 @@ def test_a_plain_request_whose_client_leaves_is_aborted(url, engine):
 def test_health_and_version(url):
     assert httpx.get(url + "/health", trust_env=False).status_code == 200
     assert httpx.get(url + "/version", trust_env=False).json()["version"]
+
+
+def test_a_resent_prompt_reports_cached_tokens_and_the_cache_metrics_count_them(client, url):
+    prompt = " ".join(f"word{i}" for i in range(60))  # well over one 16-token block
+    args = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    hits = metric(url, "bullet:prefix_cache_hits_total")
+    queries = metric(url, "bullet:prefix_cache_queries_total")
+    first = client.completions.create(**args)
+    again = client.completions.create(**args)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached == (again.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert again.choices[0].text == first.choices[0].text
+    assert metric(url, "bullet:prefix_cache_hits_total") == hits + cached
+    assert (
+        metric(url, "bullet:prefix_cache_queries_total") == queries + 2 * again.usage.prompt_tokens
+    )
+    assert metric(url, "vllm:prefix_cache_hits_total") == hits + cached

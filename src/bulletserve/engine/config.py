@@ -24,6 +24,7 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # default: max_num_batched_tokens
     block_size: int = 16
     kv_cache_memory: str | None = None  # bytes or a fraction of free memory
+    enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (full blocks)
     policy: str = "chunked"
     num_threads: int | None = None  # CPU intra-op threads; default: all usable cores
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly, not as CUDA graphs
@@ -108,6 +109,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         default=None,
         help="bytes (e.g. 4GiB) or a fraction of free memory (default 0.3)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes already computed, in full blocks, across requests "
+        "and both lanes (default on; --no-enable-prefix-caching turns it off)",
     )
     group.add_argument("--policy", default="chunked", choices=POLICIES)
     group.add_argument(

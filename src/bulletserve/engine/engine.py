@@ -108,6 +108,7 @@ class LLMEngine:
             self.device,
             config.kv_cache_memory,
             max_tokens_needed=config.max_num_seqs * self.max_model_len,
+            prefix_caching=config.enable_prefix_caching,
         )
         if self.pool.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -363,6 +364,7 @@ class LLMEngine:
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
             timings=request.timings,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )
         if request.is_finished:
             self._emitted.pop(request.request_id, None)

@@ -51,6 +51,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     generator: object | None = None  # the per-request torch.Generator when a seed is given
     stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignore_eos)
 
@@ -102,3 +103,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     timings: RequestTimings
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache

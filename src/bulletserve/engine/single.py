@@ -73,7 +73,7 @@ class SingleLane:
             es = step.execution_state(self.units)[0]
             write_step(engine.step_log, step.record(engine.clock.now(), self.units, es, measured))
             engine.step_log.flush()
-        end_single_step(step)
+        end_single_step(engine.book, step)
         for request, _ in step.batch:
             if request.num_computed_tokens < request.num_tokens:
                 request.state = RequestState.PREFILLING

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Generic, Protocol, TypeVar
 
-from bulletserve.kv.allocator import BlockAllocator
+from bulletserve.kv.allocator import BlockAllocator, extend_prefix_keys
 from bulletserve.sched.base import SeqView
 
 
@@ -20,6 +21,7 @@ class BookEntry(Protocol):
     num_computed_tokens: int
     block_table: list[int]
     num_preemptions: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
 
     @property
     def num_tokens(self) -> int: ...  # prompt plus output so far
@@ -28,6 +30,8 @@ class BookEntry(Protocol):
     def num_output_tokens(self) -> int: ...
 
     def view(self) -> SeqView: ...  # the request as a policy sees it
+
+    def token_ids(self, start: int, end: int) -> list[int]: ...  # tokens [start, end)
 
 
 E = TypeVar("E", bound=BookEntry)
@@ -46,13 +50,24 @@ class RequestBook(Generic[E]):
         self.running: list[E] = []
         self.busy: set[str] = set()
         self.num_preemptions = 0
+        # Prefix caching (where the allocator does it): each request's prefix keys so far, and
+        # how many of its blocks are cached (registered by it or shared from the cache).
+        self._keys: dict[str, list[int]] = {}
+        self._cached_blocks: dict[str, int] = {}
+        # Prompt tokens admitted and those of them found cached (vLLM's prefix-cache queries
+        # and hits), over first admissions.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     def take_waiting(self, request_ids: Iterable[str]) -> list[E]:
-        """Take these requests out of the queue, in queue order."""
+        """Take these requests out of the queue, in queue order, each starting from the blocks of
+        its longest cached prefix (shared, their tokens counted as computed)."""
         ids = set(request_ids)
         taken = [r for r in self.waiting if r.request_id in ids]
         for request in taken:
             self.waiting.remove(request)
+        for request in taken:
+            self._start_from_cache(request)
         return taken
 
     def admit(self, request_ids: tuple[str, ...]) -> list[E]:
@@ -84,10 +99,11 @@ class RequestBook(Generic[E]):
 
     def release_blocks(self, request: E) -> None:
         """Free the request's blocks, unless a step is computing it (that step's end frees
-        them)."""
+        them); blocks that cache a prefix stay cached while the pool can keep them."""
         if request.block_table and request.request_id not in self.busy:
             self.allocator.free(request.block_table)
             request.block_table = []
+            self._cached_blocks.pop(request.request_id, None)
 
     def finish(self, request: E) -> None:
         """Take the request out of whichever list holds it and free its blocks."""
@@ -96,9 +112,94 @@ class RequestBook(Generic[E]):
         elif request in self.waiting:
             self.waiting.remove(request)
         self.release_blocks(request)
+        self._keys.pop(request.request_id, None)
+
+    def cache_computed(self, request: E) -> None:
+        """After a step: cache the request's full blocks whose KV is now computed."""
+        if not self.allocator.prefix_caching:
+            return
+        size = self.block_size
+        full = min(request.num_computed_tokens // size, len(request.block_table))
+        done = self._cached_blocks.get(request.request_id, 0)
+        if full <= done:
+            return
+        keys = self._prefix_keys(request, full * size)
+        for index in range(done, full):
+            self.allocator.register(
+                request.block_table[index],
+                keys[index],
+                keys[index - 1] if index else 0,
+                request.token_ids(index * size, (index + 1) * size),
+                size,
+            )
+        self._cached_blocks[request.request_id] = full
 
     def waiting_views(self) -> tuple[SeqView, ...]:
-        return tuple(r.view() for r in self.waiting)
+        """The queue as a policy sees it: a request whose prefix is cached counts those tokens
+        as computed, and as held only the cached blocks some other request holds (the others
+        come out of the free count when it is admitted)."""
+        if not self.allocator.prefix_caching:
+            return tuple(r.view() for r in self.waiting)
+        views = []
+        for request in self.waiting:
+            view = request.view()
+            blocks = self._cached_prefix(request)
+            if blocks:
+                view = replace(
+                    view,
+                    num_computed_tokens=len(blocks) * self.block_size,
+                    num_blocks=self.allocator.num_in_use(blocks),
+                )
+            views.append(view)
+        return tuple(views)
 
     def running_views(self) -> tuple[SeqView, ...]:
-        return tuple(r.view() for r in self.running)
+        """The running requests as a policy sees them, with the blocks each shares."""
+        views = tuple(r.view() for r in self.running)
+        if not self.allocator.prefix_caching:
+            return views
+        return tuple(
+            replace(view, num_shared_blocks=shared) if shared else view
+            for view, shared in zip(
+                views,
+                (self.allocator.num_shared(r.block_table) for r in self.running),
+                strict=True,
+            )
+        )
+
+    def _prefix_keys(self, request: E, num_tokens: int) -> list[int]:
+        """The prefix keys of the request's first `num_tokens` tokens' full blocks (kept and
+        extended from step to step)."""
+        keys = self._keys.setdefault(request.request_id, [])
+        have = len(keys) * self.block_size
+        if num_tokens - have >= self.block_size:
+            extend_prefix_keys(keys, request.token_ids(have, num_tokens), self.block_size)
+        return keys[: num_tokens // self.block_size]
+
+    def _cached_prefix(self, request: E) -> list[int]:
+        """The cached blocks a waiting request would start from: full blocks of its tokens but
+        the last (whose logits it needs), none if it holds blocks already."""
+        if request.block_table or request.num_computed_tokens:
+            return []
+        usable = (request.num_tokens - 1) // self.block_size * self.block_size
+        keys = self._prefix_keys(request, usable)
+        if not keys:
+            return []
+        return self.allocator.lookup(keys, request.token_ids(0, usable), self.block_size)
+
+    def _start_from_cache(self, request: E) -> None:
+        if not self.allocator.prefix_caching:
+            return
+        blocks = self._cached_prefix(request)
+        first = request.num_preemptions == 0
+        if first:
+            prompt = request.num_tokens - request.num_output_tokens
+            self.prefix_queries += prompt
+            request.num_cached_tokens = min(len(blocks) * self.block_size, prompt)
+            self.prefix_hits += request.num_cached_tokens
+        if not blocks:
+            return
+        self.allocator.share(blocks)
+        request.block_table = list(blocks)
+        request.num_computed_tokens = len(blocks) * self.block_size
+        self._cached_blocks[request.request_id] = len(blocks)

@@ -290,6 +290,7 @@ class LaneCore(Generic[E]):
         if lane == "decode":
             for request in step.requests:
                 request.num_computed_tokens = request.num_tokens
+                self.book.cache_computed(request)
             self.book.busy.difference_update(r.request_id for r in step.requests)
         else:
             assert self.prefill is not None
@@ -310,6 +311,8 @@ class LaneCore(Generic[E]):
             request.num_computed_tokens = cached + tokens
         for request in fused:
             request.num_computed_tokens = request.num_tokens
+        for request in prompts + fused:
+            self.book.cache_computed(request)
         complete = all(r.num_computed_tokens == r.num_tokens for r in prompts)
         ends = complete or all(is_finished(r) for r in prompts)
         members = prompts + fused  # in the order of the step's batch

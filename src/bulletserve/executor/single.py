@@ -91,7 +91,11 @@ def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
     by_id = {r.request_id: r for r in book.running}
     batch = [(by_id[s.request_id], s.num_tokens) for s in plan.scheduled]
     step: SingleStep[E] = SingleStep(batch, preempted)
-    for request, num in step.batch:
+    for index, (request, num) in enumerate(step.batch):
+        # An admitted prompt may find more of itself cached than its view said (a preemption
+        # just now released blocks of the same prefix): it computes only what is left.
+        num = min(num, request.num_tokens - request.num_computed_tokens)
+        step.batch[index] = (request, num)
         book.grow_blocks(request, request.num_computed_tokens + num)
         # A decode row feeds back its last sampled token; anything else is a prompt chunk (a
         # recomputation after preemption included).
@@ -102,7 +106,8 @@ def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
     return step
 
 
-def end_single_step(step: SingleStep[E]) -> None:
-    """Count the tokens the step computed."""
+def end_single_step(book: RequestBook[E], step: SingleStep[E]) -> None:
+    """Count the tokens the step computed and cache the blocks they filled."""
     for request, num in step.batch:
         request.num_computed_tokens += num
+        book.cache_computed(request)

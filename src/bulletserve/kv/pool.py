@@ -38,9 +38,10 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        prefix_caching: bool = False,
     ) -> None:
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, prefix_caching)
         num_slots = (num_blocks + 1) * block_size
         shape = (config.num_layers, 2, num_slots, config.num_kv_heads, config.head_dim)
         # torch.empty: pages of untouched blocks are never committed on a CPU.
@@ -70,6 +71,7 @@ class KVPool:
         device: torch.device,
         kv_cache_memory: str | None,
         max_tokens_needed: int,
+        prefix_caching: bool = False,
     ) -> KVPool:
         """A pool of `kv_cache_memory` (bytes or fraction of free memory; default 0.3 of free),
         never larger than `max_tokens_needed` tokens."""
@@ -81,4 +83,4 @@ class KVPool:
         memory = amount * free_device_memory(device) if amount <= 1 else amount
         num_blocks = cls.blocks_for_memory(config, block_size, dtype, memory)
         num_blocks = min(num_blocks, -(-max_tokens_needed // block_size))
-        return cls(config, num_blocks, block_size, dtype, device)
+        return cls(config, num_blocks, block_size, dtype, device, prefix_caching)

@@ -15,6 +15,9 @@ class SeqView:
     num_tokens: int  # prompt + generated so far
     num_computed_tokens: int  # tokens whose KV is in the cache
     num_blocks: int  # KV blocks held
+    # Of those, blocks another request holds too (a shared cached prefix): preempting this
+    # request does not free them.
+    num_shared_blocks: int = 0
 
     @property
     def num_remaining(self) -> int:
@@ -139,5 +142,5 @@ class PlanBuilder:
 
     def _preempt(self, seq: SeqView) -> None:
         self.preempted.append(seq.request_id)
-        self.budget.blocks += seq.num_blocks
+        self.budget.blocks += seq.num_blocks - seq.num_shared_blocks
         self.budget.seqs += 1

@@ -65,6 +65,22 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         preemptions.add_metric(labels, engine.num_preemptions)
         yield preemptions
+        book = engine.book
+        for name, documentation, value in (
+            (
+                "bullet:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (at first admission).",
+                book.prefix_queries,
+            ),
+            (
+                "bullet:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (at first admission).",
+                book.prefix_hits,
+            ),
+        ):
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
         lanes = engine.lane_units()
         if lanes:
             units = GaugeMetricFamily(
@@ -90,7 +106,7 @@ VLLM_NAMES = frozenset(
         "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions",
         "time_to_first_token_seconds", "time_per_output_token_seconds",
         "e2e_request_latency_seconds", "request_queue_time_seconds", "prompt_tokens",
-        "generation_tokens", "request_success",
+        "generation_tokens", "request_success", "prefix_cache_queries", "prefix_cache_hits",
     }
 )  # fmt: skip
 

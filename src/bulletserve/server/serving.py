@@ -17,7 +17,7 @@ from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.server.errors import APIError, error_body
 from bulletserve.server.metrics import ServerMetrics
-from bulletserve.server.protocol import SamplingFields, Usage
+from bulletserve.server.protocol import PromptTokensDetails, SamplingFields, Usage
 from bulletserve.server.settings import ServerSettings
 
 T = TypeVar("T")
@@ -36,7 +36,10 @@ def sse(payload: str) -> str:
 def usage(output: RequestOutput) -> Usage:
     prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
     return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
     )
 
 

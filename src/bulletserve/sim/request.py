@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from bulletserve.sched.base import SeqView
 
+UNIQUE_TOKEN_SPAN = 1 << 40  # room for each request's own token ids
+
 
 @dataclass(slots=True)
 class SimRequest:
@@ -23,7 +25,12 @@ class SimRequest:
     finished_at: float | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
     num_tokens: int = 0  # prompt plus generated tokens, as the engine's Request counts them
+    # The prompt's tokens where the workload gives them (prompts that share prefixes); else
+    # each token is one no other request has, as are generated ones (so the prefix cache finds
+    # only what the request itself computed before a preemption).
+    prompt_token_ids: tuple[int, ...] | None = None
     _view: SeqView | None = None
 
     def __post_init__(self) -> None:
@@ -32,6 +39,13 @@ class SimRequest:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_times)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output: the prompt's own where given, else ids of
+        this request alone (negative, so no real token id equals one)."""
+        unique = -(self.index + 1) * UNIQUE_TOKEN_SPAN
+        given = self.prompt_token_ids or ()
+        return [given[i] if i < len(given) else unique - i for i in range(start, end)]
 
     def add_token(self, now: float) -> None:
         self.token_times.append(now)

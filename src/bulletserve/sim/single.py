@@ -39,7 +39,7 @@ def run_single_lane(
             now = max(now, arrival)
             continue
         timing = time_single_step(perf, noise, step, units)
-        end_single_step(step)
+        end_single_step(state.book, step)
         now += timing.measured_s + timing.host_s
         for request in step.sampled():
             state.append_token(request, now)

@@ -22,10 +22,12 @@ class SimState:
         block_size: int,
         max_model_len: int,
         step_log: TextIO | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         self.requests = list(requests)
         self._pending = deque(sorted(self.requests, key=lambda r: (r.arrival, r.index)))
-        self.book: RequestBook[SimRequest] = RequestBook(BlockAllocator(num_blocks), block_size)
+        allocator = BlockAllocator(num_blocks, prefix_caching)
+        self.book: RequestBook[SimRequest] = RequestBook(allocator, block_size)
         self.max_model_len = max_model_len
         self.num_steps = 0
         self.step_log = step_log
