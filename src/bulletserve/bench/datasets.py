@@ -3,7 +3,8 @@
 Dataset specs: `sharegpt:PATH` (ShareGPT_V3 JSON: first human turn as prompt, the reply's token
 count as output length), `azure:PATH` (Azure LLM inference trace CSV: ContextTokens,
 GeneratedTokens and optionally TIMESTAMP; vidur's `num_prefill_tokens, num_decode_tokens,
-arrived_at` columns are read too), `random` and the synthetic presets in `lengths`.
+arrived_at` columns are read too), `random`, the synthetic presets in `lengths`, and the
+workloads with shared prefixes in `shared` (`shared-prefix`, `multi-turn`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bulletserve.bench.lengths import (
 )
 from bulletserve.bench.metrics import SLO
 from bulletserve.bench.prompts import PromptBuilder
+from bulletserve.bench.shared import SHARED_PREFIX_KINDS, shared_prompts
 
 PRESETS = ("sharegpt-like", "azure-code-like", "arxiv-sum-like")
 
@@ -92,6 +94,8 @@ def load_workload(
     if kind == "sharegpt" and path:
         rng = np.random.default_rng(seed)
         return _sharegpt_file(Path(path), num_prompts, builder, rng, max_model_len)
+    if kind in SHARED_PREFIX_KINDS and not path:
+        return _shared_prefix_requests(kind, num_prompts, builder, seed, max_model_len)
     lengths = load_lengths(spec, num_prompts, seed, max_model_len, random_lengths)
     return [WorkloadRequest(builder.build(i), i, o, t) for i, o, t in lengths]
 
@@ -120,6 +124,9 @@ def load_lengths(
         return [(i, o, t) for (i, o), (_, _, t) in zip(pairs, rows, strict=True)]
     if path:
         raise DatasetError(f"dataset {kind!r} takes no path; file datasets: sharegpt:, azure:")
+    if kind in SHARED_PREFIX_KINDS:
+        prompts = shared_prompts(kind, num_prompts, seed, max_model_len)
+        return [(p.input_len, p.output_len, None) for p in prompts]
     if kind == "random":
         pairs = _random_pairs(random_lengths or RandomLengths(), num_prompts, rng)
     elif kind == "sharegpt-like":
@@ -129,11 +136,27 @@ def load_lengths(
     else:
         raise DatasetError(
             f"unknown dataset {spec!r}; expected sharegpt:PATH, azure:PATH, random, "
-            + ", ".join(PRESETS)
+            + ", ".join(PRESETS + SHARED_PREFIX_KINDS)
         )
     if max_model_len and kind != "random":
         pairs = fit_to_context(pairs, max_model_len)
     return [(i, o, None) for i, o in pairs]
+
+
+def _shared_prefix_requests(
+    kind: str, num_prompts: int, builder: PromptBuilder, seed: int, max_model_len: int | None
+) -> list[WorkloadRequest]:
+    """Prompts of shared segments: each segment's text built once, so that requests naming it
+    send the same tokens."""
+    texts: dict[str, str] = {}
+    requests = []
+    for prompt in shared_prompts(kind, num_prompts, seed, max_model_len):
+        for segment in prompt.segments:
+            if segment.key not in texts:
+                texts[segment.key] = builder.build(segment.length)
+        text = "".join(texts[segment.key] for segment in prompt.segments)
+        requests.append(WorkloadRequest(text, len(builder.count(text)), prompt.output_len))
+    return requests
 
 
 def _random_pairs(

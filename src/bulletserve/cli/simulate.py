@@ -59,6 +59,13 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-model-len", type=int)
     engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's prefix cache (the simulated prompts share no prefix, so it finds only "
+        "what a preempted request computed before)",
+    )
     engine.add_argument("--partition", default="auto", help="bullet: auto, none or static:P/D")
     engine.add_argument("--prefill-layers-per-step", type=int)
     engine.add_argument(
@@ -155,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
         dtype=args.dtype,
         block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -33,7 +33,7 @@ from bulletserve.sim.request import SimRequest
 from bulletserve.sim.results import run_result
 from bulletserve.sim.single import run_single_lane
 from bulletserve.sim.state import SimState
-from bulletserve.sim.workload import Lengths, arrivals_for, make_requests
+from bulletserve.sim.workload import Lengths, arrivals_for, make_requests, prompt_tokens
 
 DEFAULT_NOISE = 0.02
 
@@ -62,6 +62,7 @@ class SimConfig:
     random_lengths: RandomLengths = field(default_factory=RandomLengths)
     dtype: str = "bfloat16"
     block_size: int = 16
+    enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -168,7 +169,11 @@ def simulate_run(
 ) -> RunResult:
     """One load level on a fresh engine state."""
     arrivals = arrivals_for(lengths, rate, config.burstiness, config.seed, config.trace_arrivals)
-    return simulate_requests(config, env, policy, make_requests(lengths, arrivals), rate, step_log)
+    tokens = prompt_tokens(config.dataset, len(lengths), config.seed, config.max_model_len)
+    if tokens is not None and [len(t) for t in tokens] != [i for i, _, _ in lengths]:
+        raise ValueError(f"{config.dataset}: the lengths were drawn with other settings")
+    requests = make_requests(lengths, arrivals, tokens)
+    return simulate_requests(config, env, policy, requests, rate, step_log)
 
 
 def simulate_requests(
@@ -181,7 +186,14 @@ def simulate_requests(
 ) -> RunResult:
     """Given requests (lengths and arrival times) on a fresh engine state, as a run at `rate`."""
     arrivals = [r.arrival for r in requests]
-    state = SimState(requests, env.num_blocks, config.block_size, env.max_model_len, step_log)
+    state = SimState(
+        requests,
+        env.num_blocks,
+        config.block_size,
+        env.max_model_len,
+        step_log,
+        prefix_caching=config.enable_prefix_caching,
+    )
     noise = Noise(config.noise, config.seed)
     if isinstance(policy, BulletPolicy):
         end = LanedSimulator(
