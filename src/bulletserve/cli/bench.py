@@ -77,7 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "--dataset",
         default="sharegpt-like",
         help="sharegpt:PATH, azure:PATH, random, sharegpt-like, azure-code-like, "
-        "arxiv-sum-like (default sharegpt-like)",
+        "arxiv-sum-like, or with shared prefixes shared-prefix (a few long system prompts) and "
+        "multi-turn (conversations resending their history) (default sharegpt-like)",
     )
     data.add_argument("--num-prompts", type=int, default=200)
     data.add_argument(

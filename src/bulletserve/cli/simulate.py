@@ -79,7 +79,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     data.add_argument(
         "--dataset",
         default="sharegpt-like",
-        help="sharegpt-like, azure-code-like, arxiv-sum-like, random or azure:PATH",
+        help="sharegpt-like, azure-code-like, arxiv-sum-like, random, shared-prefix, multi-turn "
+        "or azure:PATH",
     )
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--input-len", type=int, default=1024, help="random: input tokens")
