@@ -1,0 +1,203 @@
+"""Prefix caching through the server: a workload with shared prefixes (`shared-prefix` or
+`multi-turn`) with the cache on and off, ours and vLLM's CPU build side by side.
+
+Every configuration's server is started first (vLLM's as ../shared/peers/serve_vllm_cpu.sh
+starts it, with its prefix caching on or off); then, for each repeat and each rate, every
+configuration in turn (the order rotating), `bullet bench` sends the workload with a seed of
+its own for that (repeat, rate): new system prompts and questions, so that a run finds in the
+cache only what its own requests computed. Each server's prefix-cache counters
+(`vllm:prefix_cache_queries_total` / `_hits_total`, which ours exports too) are read before and
+after a run. Reports per configuration and rate the medians over repeats of mean and P90 TTFT,
+output tokens/s, hit rate and SLO attainment, and the highest rate at 90% attainment.
+
+    .venv/bin/python scripts/bench_prefix_cache.py --configs chunked,chunked-no-cache,vllm,\\
+        vllm-no-cache --rates 2,4,6 --repeats 3 --num-prompts 100 \\
+        --slo-ttft-per-token-ms 4 --slo-tpot-ms 250 --out /tmp/prefix-cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT.parent / "shared" / "peers"
+VLLM_PYTHON = "/tmp/vllm-cpu/bin/python"
+PEER_MODEL = "/tmp/smollm2-hf"
+VLLM_ENV = {
+    "VLLM_CACHE_ROOT": "/tmp/vllm-cache",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "120",
+}
+
+
+def server_command(config: str, port: int, max_model_len: int) -> tuple[list[str], dict]:
+    """(command, extra environment) of a configuration: `vllm[-no-cache]` is the peer,
+    `POLICY[-no-cache]` ours under that policy."""
+    name, cached = config.removesuffix("-no-cache"), not config.endswith("-no-cache")
+    caching = "--enable-prefix-caching" if cached else "--no-enable-prefix-caching"
+    if name == "vllm":
+        command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
+        command += ["--model", PEER_MODEL, "--dtype", "bfloat16"]
+        command += ["--max-model-len", str(max_model_len), "--host", "127.0.0.1"]
+        return [*command, "--port", str(port), caching], VLLM_ENV
+    command = [sys.executable, "-m", "bulletserve.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--policy", name, "--max-model-len", str(max_model_len)]
+    return [*command, "--log-level", "warning", caching], {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, config: str, args: argparse.Namespace) -> None:
+        self.config = config
+        self.port = free_port()
+        command, env = server_command(config, self.port, args.max_model_len)
+        self.log = (args.out / f"{config}.serve.log").open("w")
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.config}: server exited; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(2)
+        raise TimeoutError(f"{self.config}: not ready after {timeout_s} s; see {self.log.name}")
+
+    def cache_counters(self) -> tuple[float, float]:
+        """(prefix-cache queries, hits) so far, in tokens."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        totals = {"queries": 0.0, "hits": 0.0}
+        for line in text.splitlines():
+            for kind in totals:
+                if line.startswith(f"vllm:prefix_cache_{kind}_total"):
+                    totals[kind] += float(line.rsplit(" ", 1)[1])
+        return totals["queries"], totals["hits"]
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, 15)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+        self.log.close()
+
+
+def bench(server: Server, rate: str, seed: int, out: Path, args: argparse.Namespace) -> dict:
+    """One `bullet bench` run; its summary, with the run's prefix-cache hit rate."""
+    command = [sys.executable, "-m", "bulletserve.cli", "bench"]
+    command += ["--base-url", f"http://127.0.0.1:{server.port}"]
+    command += ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts)]
+    command += ["--max-model-len", str(args.max_model_len), "--seed", str(seed)]
+    command += ["--request-rate", rate, "--ignore-eos", "--no-progress", "--output", str(out)]
+    command += ["--slo-ttft-per-token-ms", str(args.slo_ttft_per_token_ms)]
+    command += ["--slo-tpot-ms", str(args.slo_tpot_ms), "--label", server.config]
+    if server.config.startswith("vllm"):
+        command += ["--model", PEER_MODEL]
+    queries, hits = server.cache_counters()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"{server.config} at {rate}: bench failed:\n{result.stderr[-2000:]}")
+    after_queries, after_hits = server.cache_counters()
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    asked = after_queries - queries
+    summary["prefix_cache_hit_rate"] = (after_hits - hits) / asked if asked else 0.0
+    return summary
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--configs", default="chunked,chunked-no-cache,vllm,vllm-no-cache")
+    parser.add_argument(
+        "--dataset", default="shared-prefix", choices=("shared-prefix", "multi-turn")
+    )
+    parser.add_argument("--rates", default="2,4,6")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-per-token-ms", type=float, default=4.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    configs = args.configs.split(",")
+    rates = args.rates.split(",")
+    if any(c.startswith("vllm") for c in configs) and not Path(VLLM_PYTHON).exists():
+        sys.exit(f"no vLLM peer at {VLLM_PYTHON}: run {PEERS / 'setup_vllm_cpu.sh'} first")
+    servers = [Server(config, args) for config in configs]
+    rows: dict[tuple[str, str], list[dict]] = {}
+    try:
+        for server in servers:
+            server.wait_ready()
+        for repeat in range(args.repeats):
+            for index, rate in enumerate(rates):
+                seed = args.seed + 1000 * repeat + index
+                turn = (index + repeat) % len(servers)
+                for server in servers[turn:] + servers[:turn]:
+                    out = args.out / f"{server.config}.rate-{rate}.rep-{repeat}.json"
+                    summary = bench(server, rate, seed, out, args)
+                    rows.setdefault((server.config, rate), []).append(summary)
+                    print(f"{server.config} at {rate} req/s, repeat {repeat} done", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    table = []
+    print("| config | rate | mean TTFT ms | P90 TTFT ms | output tok/s | hit rate | attainment |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (config, rate), runs in rows.items():
+        row = {
+            "config": config,
+            "rate": float(rate),
+            "mean_ttft_ms": median([r["ttft_ms"]["mean"] for r in runs]),
+            "p90_ttft_ms": median([r["ttft_ms"]["p90"] for r in runs]),
+            "output_tok_s": median([r["output_throughput"] for r in runs]),
+            "hit_rate": median([r["prefix_cache_hit_rate"] for r in runs]),
+            "attainment": median([r["slo"]["attainment"] for r in runs]),
+        }
+        table.append(row)
+        print(
+            f"| {config} | {rate} | {row['mean_ttft_ms']:.0f} | {row['p90_ttft_ms']:.0f} | "
+            f"{row['output_tok_s']:.1f} | {row['hit_rate']:.2f} | {row['attainment']:.2f} |"
+        )
+    for config in configs:
+        held = [r["rate"] for r in table if r["config"] == config and r["attainment"] >= 0.9]
+        print(f"{config}: highest rate at 90% attainment: {max(held) if held else 'none'} req/s")
+    (args.out / "summary.json").write_text(json.dumps(table, indent=1))
+
+
+if __name__ == "__main__":
+    main()
