@@ -171,3 +171,16 @@ def test_blocks_are_conserved_and_never_lost_while_read(operations):
         book.finish(entry)
     assert allocator.num_free == allocator.num_blocks
     assert len(allocator._free) + len(allocator._evictable) == allocator.num_blocks
+
+
+def test_a_waiting_requests_view_follows_evictions():
+    allocator = BlockAllocator(3, prefix_caching=True)
+    book: RequestBook[Entry] = RequestBook(allocator, BLOCK)
+    first = Entry("a", list(range(9)))
+    _run_prompt(book, first)
+    book.finish(first)
+    waiting = Entry("b", list(range(9)))
+    book.waiting.append(waiting)
+    assert book.waiting_views()[0].num_computed_tokens == 8
+    allocator.allocate(2)  # the free block, then the tail of the cached prefix
+    assert book.waiting_views()[0].num_computed_tokens == 4

@@ -54,6 +54,8 @@ class RequestBook(Generic[E]):
         # how many of its blocks are cached (registered by it or shared from the cache).
         self._keys: dict[str, list[int]] = {}
         self._cached_blocks: dict[str, int] = {}
+        # A waiting request's last lookup and the allocator's version it was made at.
+        self._lookups: dict[str, tuple[int, list[int]]] = {}
         # Prompt tokens admitted and those of them found cached (vLLM's prefix-cache queries
         # and hits), over first admissions.
         self.prefix_queries = 0
@@ -113,6 +115,7 @@ class RequestBook(Generic[E]):
             self.waiting.remove(request)
         self.release_blocks(request)
         self._keys.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
 
     def cache_computed(self, request: E) -> None:
         """After a step: cache the request's full blocks whose KV is now computed."""
@@ -181,16 +184,23 @@ class RequestBook(Generic[E]):
         the last (whose logits it needs), none if it holds blocks already."""
         if request.block_table or request.num_computed_tokens:
             return []
+        version = self.allocator.version
+        memo = self._lookups.get(request.request_id)
+        if memo is not None and memo[0] == version:
+            return memo[1]
         usable = (request.num_tokens - 1) // self.block_size * self.block_size
         keys = self._prefix_keys(request, usable)
-        if not keys:
-            return []
-        return self.allocator.lookup(keys, request.token_ids(0, usable), self.block_size)
+        blocks = []
+        if keys:
+            blocks = self.allocator.lookup(keys, request.token_ids(0, usable), self.block_size)
+        self._lookups[request.request_id] = (version, blocks)
+        return blocks
 
     def _start_from_cache(self, request: E) -> None:
         if not self.allocator.prefix_caching:
             return
         blocks = self._cached_prefix(request)
+        self._lookups.pop(request.request_id, None)
         first = request.num_preemptions == 0
         if first:
             prompt = request.num_tokens - request.num_output_tokens

@@ -61,6 +61,8 @@ class BlockAllocator:
         self._cached: dict[int, _Cached] = {}  # block -> what it caches
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
         self._shared: set[int] = set()  # blocks more than one request holds
+        # Bumped whenever a key is cached or evicted: a lookup's result holds until it changes.
+        self.version = 0
         self._lock = threading.Lock()
 
     @property
@@ -90,6 +92,7 @@ class BlockAllocator:
                 else:
                     block, _ = self._evictable.popitem(last=False)
                     del self._by_key[self._cached.pop(block).key]
+                    self.version += 1
                 self._refs[block] = 1
                 blocks.append(block)
             return blocks
@@ -107,7 +110,9 @@ class BlockAllocator:
                     self._shared.discard(block)
                 elif self._refs[block] == 0:
                     released.append(block)
-            for block in released:
+            # A request's blocks are in prefix order: its tail goes first into the eviction
+            # order, so eviction shortens a cached prefix rather than cutting off its root.
+            for block in reversed(released):
                 if block in self._cached:
                     self._evictable[block] = None
             # the first of them goes out first again
@@ -166,3 +171,4 @@ class BlockAllocator:
                 return
             self._by_key[key] = block
             self._cached[block] = _Cached(key, parent, tuple(tokens))
+            self.version += 1
