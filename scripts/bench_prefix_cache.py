@@ -43,7 +43,9 @@ VLLM_ENV = {
 
 def server_command(config: str, port: int, max_model_len: int) -> tuple[list[str], dict]:
     """(command, extra environment) of a configuration: `vllm[-no-cache]` is the peer,
-    `POLICY[-no-cache]` ours under that policy."""
+    `POLICY[-no-cache]` ours under that policy, with as much KV memory as the peer's (with the
+    cache on, a pool fills up with cached blocks over time: several servers side by side at
+    their default of 0.3 of free memory each would not fit in this machine's memory)."""
     name, cached = config.removesuffix("-no-cache"), not config.endswith("-no-cache")
     caching = "--enable-prefix-caching" if cached else "--no-enable-prefix-caching"
     if name == "vllm":
@@ -53,6 +55,7 @@ def server_command(config: str, port: int, max_model_len: int) -> tuple[list[str
         return [*command, "--port", str(port), caching], VLLM_ENV
     command = [sys.executable, "-m", "bulletserve.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--policy", name, "--max-model-len", str(max_model_len)]
+    command += ["--kv-cache-memory", f"{VLLM_ENV['VLLM_CPU_KVCACHE_SPACE']}GiB"]
     return [*command, "--log-level", "warning", caching], {}
 
 
@@ -109,8 +112,9 @@ class Server:
         self.log.close()
 
 
-def bench(server: Server, rate: str, seed: int, out: Path, args: argparse.Namespace) -> dict:
-    """One `bullet bench` run; its summary, with the run's prefix-cache hit rate."""
+def bench(server: Server, rate: str, seed: int, out: Path, args: argparse.Namespace) -> None:
+    """One `bullet bench` run, its result (with the run's prefix-cache hit rate in its
+    summary) saved to `out`."""
     command = [sys.executable, "-m", "bulletserve.cli", "bench"]
     command += ["--base-url", f"http://127.0.0.1:{server.port}"]
     command += ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts)]
@@ -125,14 +129,53 @@ def bench(server: Server, rate: str, seed: int, out: Path, args: argparse.Namesp
     if result.returncode != 0:
         raise RuntimeError(f"{server.config} at {rate}: bench failed:\n{result.stderr[-2000:]}")
     after_queries, after_hits = server.cache_counters()
-    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    saved = json.loads(out.read_text())
     asked = after_queries - queries
-    summary["prefix_cache_hit_rate"] = (after_hits - hits) / asked if asked else 0.0
-    return summary
+    saved["runs"][0]["summary"]["prefix_cache_hit_rate"] = (
+        (after_hits - hits) / asked if asked else 0.0
+    )
+    out.write_text(json.dumps(saved))
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
+def report(out: Path, configs: list[str]) -> None:
+    """Medians per configuration and rate over every run saved in `out` (by this invocation
+    or an earlier one), and each configuration's highest rate at 90% attainment."""
+    runs: dict[tuple[str, float], list[dict]] = {}
+    for path in out.glob("*.rate-*.seed-*.json"):
+        config, rest = path.name.split(".rate-", 1)
+        if config in configs:
+            rate = float(rest.split(".seed-", 1)[0])
+            runs.setdefault((config, rate), []).append(
+                json.loads(path.read_text())["runs"][0]["summary"]
+            )
+    print("| config | rate | runs | mean TTFT ms | P90 TTFT ms | output tok/s | hit rate | SLO |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    table = []
+    for config, rate in sorted(runs, key=lambda key: (configs.index(key[0]), key[1])):
+        summaries = runs[config, rate]
+        row = {
+            "config": config,
+            "rate": rate,
+            "runs": len(summaries),
+            "mean_ttft_ms": statistics.median(s["ttft_ms"]["mean"] for s in summaries),
+            "p90_ttft_ms": statistics.median(s["ttft_ms"]["p90"] for s in summaries),
+            "output_tok_s": statistics.median(s["output_throughput"] for s in summaries),
+            # (runs saved by an earlier version of this script have no hit rate)
+            "hit_rate": statistics.median(
+                s["prefix_cache_hit_rate"] for s in summaries if "prefix_cache_hit_rate" in s
+            ),
+            "attainment": statistics.median(s["slo"]["attainment"] for s in summaries),
+        }
+        table.append(row)
+        print(
+            f"| {config} | {rate:g} | {len(summaries)} | {row['mean_ttft_ms']:.0f} | "
+            f"{row['p90_ttft_ms']:.0f} | {row['output_tok_s']:.1f} | {row['hit_rate']:.2f} | "
+            f"{row['attainment']:.2f} |"
+        )
+    for config in configs:
+        held = [r["rate"] for r in table if r["config"] == config and r["attainment"] >= 0.9]
+        print(f"{config}: highest rate at 90% attainment: {max(held) if held else 'none'} req/s")
+    (out / "summary.json").write_text(json.dumps(table, indent=1))
 
 
 def main() -> None:
@@ -147,7 +190,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="run k of rate index i uses seed + 1000 k + i"
+    )
     parser.add_argument("--slo-ttft-per-token-ms", type=float, default=4.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     parser.add_argument("--timeout", type=int, default=1800)
@@ -159,7 +204,6 @@ def main() -> None:
     if any(c.startswith("vllm") for c in configs) and not Path(VLLM_PYTHON).exists():
         sys.exit(f"no vLLM peer at {VLLM_PYTHON}: run {PEERS / 'setup_vllm_cpu.sh'} first")
     servers = [Server(config, args) for config in configs]
-    rows: dict[tuple[str, str], list[dict]] = {}
     try:
         for server in servers:
             server.wait_ready()
@@ -168,35 +212,13 @@ def main() -> None:
                 seed = args.seed + 1000 * repeat + index
                 turn = (index + repeat) % len(servers)
                 for server in servers[turn:] + servers[:turn]:
-                    out = args.out / f"{server.config}.rate-{rate}.rep-{repeat}.json"
-                    summary = bench(server, rate, seed, out, args)
-                    rows.setdefault((server.config, rate), []).append(summary)
-                    print(f"{server.config} at {rate} req/s, repeat {repeat} done", flush=True)
+                    out = args.out / f"{server.config}.rate-{rate}.seed-{seed}.json"
+                    bench(server, rate, seed, out, args)
+                    print(f"{server.config} at {rate} req/s, seed {seed} done", flush=True)
     finally:
         for server in servers:
             server.stop()
-    table = []
-    print("| config | rate | mean TTFT ms | P90 TTFT ms | output tok/s | hit rate | attainment |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for (config, rate), runs in rows.items():
-        row = {
-            "config": config,
-            "rate": float(rate),
-            "mean_ttft_ms": median([r["ttft_ms"]["mean"] for r in runs]),
-            "p90_ttft_ms": median([r["ttft_ms"]["p90"] for r in runs]),
-            "output_tok_s": median([r["output_throughput"] for r in runs]),
-            "hit_rate": median([r["prefix_cache_hit_rate"] for r in runs]),
-            "attainment": median([r["slo"]["attainment"] for r in runs]),
-        }
-        table.append(row)
-        print(
-            f"| {config} | {rate} | {row['mean_ttft_ms']:.0f} | {row['p90_ttft_ms']:.0f} | "
-            f"{row['output_tok_s']:.1f} | {row['hit_rate']:.2f} | {row['attainment']:.2f} |"
-        )
-    for config in configs:
-        held = [r["rate"] for r in table if r["config"] == config and r["attainment"] >= 0.9]
-        print(f"{config}: highest rate at 90% attainment: {max(held) if held else 'none'} req/s")
-    (args.out / "summary.json").write_text(json.dumps(table, indent=1))
+    report(args.out, configs)
 
 
 if __name__ == "__main__":
