@@ -209,6 +209,20 @@ def test_at_risk_request_goes_first_and_short_ones_otherwise():
     assert policy.plan_prefill(snap).prefill.admitted[0] == "late"
 
 
+def test_a_cached_prompt_is_judged_on_its_whole_prompts_budget_and_its_uncached_work():
+    estimator = POLICIES["h100"].estimator()
+    slo_s = estimator.slo.ttft_s(2000)  # the 2,000-token prompt's TTFT budget
+    waited = 0.6 * slo_s  # past a 200-token prompt's budget, within its own
+    fresh = SeqView("fresh", 100.0 - waited, 2000, 0, 0)
+    cached = SeqView("cached", 100.0 - waited, 2000, 1792, 112)  # all but 208 tokens cached
+    assert estimator.slo.ttft_s(208) < waited
+    assert estimator.at_risk(fresh, 100.0) == (
+        waited + estimator.prefill_s(2000) >= estimator.params.risk_share * slo_s
+    )
+    assert not estimator.at_risk(cached, 100.0)
+    assert estimator.prefill_s(208, 1792) < estimator.prefill_s(2000)
+
+
 def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill():
     from bulletserve.perf.state import ExecutionState
 

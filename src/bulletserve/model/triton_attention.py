@@ -45,6 +45,45 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    positions,
+    valid,
+    visible,
+    head_offset,
+    dims,
+    dim_ok,
+    kv_stride_slot,
+    scale,
+    best,
+    total,
+    acc,
+    BLOCK_SIZE: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """One online-softmax step over the context tokens `positions` (those `valid` read from the
+    cache through the block table at `table_ptr`, those `visible` to each query row attended):
+    the running (row maxima, row sums, weighted values) after it."""
+    blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=valid, other=0)
+    slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    where = slots[:, None] * kv_stride_slot + head_offset + dims[None, :]
+    loaded = valid[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + where, mask=loaded, other=0.0)
+    scores = _dot(q, tl.trans(k), FP32_DOT)
+    scores = tl.where(visible, scores * scale, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, 1))
+    weights = tl.exp(scores - new_best[:, None])
+    rescale = tl.exp(best - new_best)
+    total = total * rescale + tl.sum(weights, 1)
+    v = tl.load(v_ptr + where, mask=loaded, other=0.0)
+    acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, FP32_DOT)
+    return new_best, total, acc
+
+
+@triton.jit
 def _decode_split(
     q_ptr,
     k_ptr,
@@ -97,22 +136,25 @@ def _decode_split(
     for start in range(begin, end, TILE):
         positions = start + offsets
         valid = positions < end
-        blocks = tl.load(
-            tables_ptr + seq * tables_stride + positions // BLOCK_SIZE, mask=valid, other=0
+        best, total, acc = _attend_tile(
+            q,
+            k_ptr,
+            v_ptr,
+            tables_ptr + seq * tables_stride,
+            positions,
+            valid,
+            valid[None, :],
+            kv_head * kv_stride_h,
+            dims,
+            dim_ok,
+            kv_stride_slot,
+            scale,
+            best,
+            total,
+            acc,
+            BLOCK_SIZE,
+            FP32_DOT,
         )
-        slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-        where = slots[:, None] * kv_stride_slot + kv_head * kv_stride_h + dims[None, :]
-        loaded = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + where, mask=loaded, other=0.0)
-        scores = _dot(q, tl.trans(k), FP32_DOT)
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        weights = tl.exp(scores - new_best[:, None])
-        rescale = tl.exp(best - new_best)
-        total = total * rescale + tl.sum(weights, 1)
-        v = tl.load(v_ptr + where, mask=loaded, other=0.0)
-        acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, FP32_DOT)
-        best = new_best
 
     if NUM_SPLITS == 1:
         where = seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :]
@@ -222,23 +264,25 @@ def _prefill(
     for start in range(0, end, KEY_TILE):
         positions = start + offsets
         valid = positions < end
-        blocks = tl.load(
-            tables_ptr + seq * tables_stride + positions // BLOCK_SIZE, mask=valid, other=0
+        best, total, acc = _attend_tile(
+            q,
+            k_ptr,
+            v_ptr,
+            tables_ptr + seq * tables_stride,
+            positions,
+            valid,
+            valid[None, :] & (positions[None, :] <= query_positions[:, None]),
+            kv_head * kv_stride_h,
+            dims,
+            dim_ok,
+            kv_stride_slot,
+            scale,
+            best,
+            total,
+            acc,
+            BLOCK_SIZE,
+            FP32_DOT,
         )
-        slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-        where = slots[:, None] * kv_stride_slot + kv_head * kv_stride_h + dims[None, :]
-        loaded = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + where, mask=loaded, other=0.0)
-        scores = _dot(q, tl.trans(k), FP32_DOT)
-        visible = valid[None, :] & (positions[None, :] <= query_positions[:, None])
-        scores = tl.where(visible, scores * scale, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        weights = tl.exp(scores - new_best[:, None])
-        rescale = tl.exp(best - new_best)
-        total = total * rescale + tl.sum(weights, 1)
-        v = tl.load(v_ptr + where, mask=loaded, other=0.0)
-        acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, FP32_DOT)
-        best = new_best
     result = acc / total[:, None]
     tl.store(
         out_ptr

@@ -30,15 +30,21 @@ class Estimator:
     def predict(self, es: ExecutionState) -> StepPrediction:
         return self.perf.predict(es, self.corrections)
 
-    def prefill_s(self, tokens: int) -> float:
-        """A prefill of one prompt of `tokens` on every unit."""
-        es = ExecutionState(prefill_lens=(tokens,), prefill_units=self.units.total)
+    def prefill_s(self, tokens: int, cached: int = 0) -> float:
+        """A prefill of one prompt of `tokens` after `cached` on every unit."""
+        es = ExecutionState(
+            prefill_lens=(tokens,), prefill_cached=(cached,), prefill_units=self.units.total
+        )
         return self.predict(es).prefill_s
 
     def at_risk(self, seq: SeqView, now: float) -> bool:
-        budget = self.slo.ttft_s(seq.num_remaining)
+        """Whether a waiting prompt's prefill alone, started now, would pass the risk share of
+        its TTFT budget. The budget is its whole prompt's (what the SLO is scored on), the work
+        only what its cached prefix leaves."""
+        budget = self.slo.ttft_s(seq.num_tokens)
         waited = now - seq.arrival_time
-        return waited + self.prefill_s(seq.num_remaining) >= self.params.risk_share * budget
+        work = self.prefill_s(seq.num_remaining, seq.num_computed_tokens)
+        return waited + work >= self.params.risk_share * budget
 
     def alone_s(
         self,

@@ -170,7 +170,7 @@ class BulletPolicy:
         at_risk = [s for s in snap.waiting if est.at_risk(s, snap.now)]
         risky = {s.request_id for s in at_risk}
         rest = [s for s in snap.waiting if s.request_id not in risky]
-        at_risk.sort(key=lambda s: s.arrival_time + self.slo.ttft_s(s.num_remaining))
+        at_risk.sort(key=lambda s: s.arrival_time + self.slo.ttft_s(s.num_tokens))
         rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
         return at_risk + rest
 
