@@ -184,3 +184,22 @@ def test_a_waiting_requests_view_follows_evictions():
     assert book.waiting_views()[0].num_computed_tokens == 8
     allocator.allocate(2)  # the free block, then the tail of the cached prefix
     assert book.waiting_views()[0].num_computed_tokens == 4
+
+
+def test_a_waiting_requests_view_finds_blocks_cached_after_it_looked():
+    book: RequestBook[Entry] = RequestBook(BlockAllocator(8, prefix_caching=True), BLOCK)
+    waiting = Entry("b", list(range(9)))
+    book.waiting.append(waiting)
+    assert book.waiting_views()[0].num_computed_tokens == 0
+    first = Entry("a", list(range(6)))  # caches the first block only
+    book.waiting.appendleft(first)
+    book.admit(("a",))
+    book.grow_blocks(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    book.cache_computed(first)
+    assert book.waiting_views()[0].num_computed_tokens == 4
+    first.outputs += [6, 7]  # its second block fills
+    book.grow_blocks(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    book.cache_computed(first)
+    assert book.waiting_views()[0].num_computed_tokens == 8

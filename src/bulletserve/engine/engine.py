@@ -136,12 +136,6 @@ class LLMEngine:
         self.acks_handoff = False
         self.executor: Executor = _make_executor(self, team)
         self.policy = self.executor.policy
-        if self.runner.graphs is not None and config.policy != "bullet":
-            # One lane steps on this stream: its graphs are captured now, not by requests.
-            # Bullet's decode lane captures on each split's stream when it first runs there.
-            started = time.perf_counter()
-            self.runner.graphs.capture()
-            logger.info("captured decode graphs in %.1f s", time.perf_counter() - started)
         if builds_gemm_kernels(self.model, self.device) and config.cpu_warmup_rows:
             self._warm_cpu_gemms()
 

@@ -4,6 +4,8 @@ requests it brought to their next token."""
 
 from __future__ import annotations
 
+import logging
+import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,8 @@ from bulletserve.sched.base import Policy, SchedulerSnapshot
 if TYPE_CHECKING:
     from bulletserve.engine.engine import LLMEngine
 
+logger = logging.getLogger(__name__)
+
 
 class SingleLane:
     def __init__(self, engine: LLMEngine) -> None:
@@ -32,6 +36,12 @@ class SingleLane:
             self.units = torch.cuda.get_device_properties(device).multi_processor_count
         else:
             self.units = torch.get_num_threads()
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            # Every step runs on this stream: its decode graphs are captured now, not by requests.
+            started = time.perf_counter()
+            graphs.capture()
+            logger.info("captured decode graphs in %.1f s", time.perf_counter() - started)
 
     def thread_counts(self) -> list[int]:
         return [torch.get_num_threads()]

@@ -54,7 +54,7 @@ class RequestBook(Generic[E]):
         # how many of its blocks are cached (registered by it or shared from the cache).
         self._keys: dict[str, list[int]] = {}
         self._cached_blocks: dict[str, int] = {}
-        # A waiting request's last lookup and the allocator's version it was made at.
+        # A waiting request's last lookup: the allocator's evictions then, and the blocks found.
         self._lookups: dict[str, tuple[int, list[int]]] = {}
         # Prompt tokens admitted and those of them found cached (vLLM's prefix-cache queries
         # and hits), over first admissions.
@@ -126,7 +126,7 @@ class RequestBook(Generic[E]):
         done = self._cached_blocks.get(request.request_id, 0)
         if full <= done:
             return
-        keys = self._prefix_keys(request, full * size)
+        keys = self._prefix_keys(request, full)
         for index in range(done, full):
             self.allocator.register(
                 request.block_table[index],
@@ -161,6 +161,8 @@ class RequestBook(Generic[E]):
         views = tuple(r.view() for r in self.running)
         if not self.allocator.prefix_caching:
             return views
+        if not self.allocator.any_shared:
+            return views
         return tuple(
             replace(view, num_shared_blocks=shared) if shared else view
             for view, shared in zip(
@@ -170,31 +172,40 @@ class RequestBook(Generic[E]):
             )
         )
 
-    def _prefix_keys(self, request: E, num_tokens: int) -> list[int]:
-        """The prefix keys of the request's first `num_tokens` tokens' full blocks (kept and
+    def _prefix_keys(self, request: E, num_blocks: int) -> list[int]:
+        """The request's prefix keys, at least those of its first `num_blocks` blocks (kept and
         extended from step to step)."""
         keys = self._keys.setdefault(request.request_id, [])
-        have = len(keys) * self.block_size
-        if num_tokens - have >= self.block_size:
-            extend_prefix_keys(keys, request.token_ids(have, num_tokens), self.block_size)
-        return keys[: num_tokens // self.block_size]
+        if len(keys) < num_blocks:
+            size = self.block_size
+            extend_prefix_keys(keys, request.token_ids(len(keys) * size, num_blocks * size), size)
+        return keys
 
     def _cached_prefix(self, request: E) -> list[int]:
         """The cached blocks a waiting request would start from: full blocks of its tokens but
         the last (whose logits it needs), none if it holds blocks already."""
         if request.block_table or request.num_computed_tokens:
             return []
-        version = self.allocator.version
+        size = self.block_size
+        count = (request.num_tokens - 1) // size
+        evictions = self.allocator.evictions
         memo = self._lookups.get(request.request_id)
-        if memo is not None and memo[0] == version:
-            return memo[1]
-        usable = (request.num_tokens - 1) // self.block_size * self.block_size
-        keys = self._prefix_keys(request, usable)
-        blocks = []
-        if keys:
-            blocks = self.allocator.lookup(keys, request.token_ids(0, usable), self.block_size)
-        self._lookups[request.request_id] = (version, blocks)
-        return blocks
+        matched: list[int] = []
+        if memo is not None and memo[0] == evictions:
+            # Nothing evicted since: the blocks found then hold, and only a block cached since
+            # right after them can extend them.
+            matched = memo[1]
+            keys = self._keys[request.request_id]
+            if len(matched) == count or not self.allocator.is_cached(keys[len(matched)]):
+                return matched
+        matched = self.allocator.lookup(
+            self._prefix_keys(request, count),
+            count,
+            lambda index: request.token_ids(index * size, (index + 1) * size),
+            matched,
+        )
+        self._lookups[request.request_id] = (evictions, matched)
+        return matched
 
     def _start_from_cache(self, request: E) -> None:
         if not self.allocator.prefix_caching:

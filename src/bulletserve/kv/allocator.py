@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -61,8 +61,8 @@ class BlockAllocator:
         self._cached: dict[int, _Cached] = {}  # block -> what it caches
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused; oldest first
         self._shared: set[int] = set()  # blocks more than one request holds
-        # Bumped whenever a key is cached or evicted: a lookup's result holds until it changes.
-        self.version = 0
+        # Bumped at every eviction: a lookup's blocks stay cached until it changes.
+        self.evictions = 0
         self._lock = threading.Lock()
 
     @property
@@ -92,7 +92,7 @@ class BlockAllocator:
                 else:
                     block, _ = self._evictable.popitem(last=False)
                     del self._by_key[self._cached.pop(block).key]
-                    self.version += 1
+                    self.evictions += 1
                 self._refs[block] = 1
                 blocks.append(block)
             return blocks
@@ -118,23 +118,28 @@ class BlockAllocator:
             # the first of them goes out first again
             self._free.extend(reversed([b for b in released if b not in self._cached]))
 
-    def lookup(self, keys: Sequence[int], tokens: Sequence[int], block_size: int) -> list[int]:
-        """The cached blocks of the longest prefix of `keys` (the prefix keys of `tokens`)."""
-        blocks: list[int] = []
+    def lookup(
+        self,
+        keys: Sequence[int],
+        count: int,
+        block_tokens: Callable[[int], Sequence[int]],
+        matched: Sequence[int] = (),
+    ) -> list[int]:
+        """The cached blocks of the longest prefix of `keys[:count]` (a sequence's prefix keys;
+        `block_tokens(i)` gives its block i's tokens, compared to catch a hash collision),
+        extending `matched`, the blocks of an earlier lookup of the same keys made with no
+        eviction since."""
+        blocks = list(matched)
         with self._lock:
-            parent = 0
-            for index, key in enumerate(keys):
-                block = self._by_key.get(key)
+            for index in range(len(blocks), count):
+                block = self._by_key.get(keys[index])
                 if block is None:
                     break
                 cached = self._cached[block]
-                start = index * block_size
-                if cached.parent != parent or cached.tokens != tuple(
-                    tokens[start : start + block_size]
-                ):
-                    break  # a hash collision
+                parent = keys[index - 1] if index else 0
+                if cached.parent != parent or cached.tokens != tuple(block_tokens(index)):
+                    break
                 blocks.append(block)
-                parent = key
         return blocks
 
     def num_in_use(self, blocks: Sequence[int]) -> int:
@@ -142,10 +147,19 @@ class BlockAllocator:
         with self._lock:
             return sum(1 for block in blocks if self._refs[block] > 0)
 
+    def is_cached(self, key: int) -> bool:
+        """Whether a block is cached under `key` (a hint: it may be evicted at any time)."""
+        return key in self._by_key
+
+    @property
+    def any_shared(self) -> bool:
+        """Whether some block is held by more than one request."""
+        return bool(self._shared)
+
     def num_shared(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` (one request's) some other request holds too."""
         with self._lock:
-            return len(self._shared.intersection(blocks)) if self._shared else 0
+            return len(self._shared.intersection(blocks))
 
     def share(self, blocks: Sequence[int]) -> None:
         """Take a reference to each of these cached blocks (from `lookup`)."""
@@ -171,4 +185,3 @@ class BlockAllocator:
                 return
             self._by_key[key] = block
             self._cached[block] = _Cached(key, parent, tuple(tokens))
-            self.version += 1

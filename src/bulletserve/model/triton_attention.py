@@ -338,7 +338,8 @@ class TritonDecodeAttention:
             return
         splits = self.splits(batch, num_kv_heads)
         dim_pad = _power_of_two_at_least(head_dim, 16)
-        partial = {}
+        # One split writes its result straight to `out` and leaves the partial buffers unused.
+        partial = dict.fromkeys(("part_out_ptr", "part_max_ptr", "part_sum_ptr"), out)
         if splits > 1:
             shape = (batch, num_heads, splits)
             partial = {
@@ -346,9 +347,6 @@ class TritonDecodeAttention:
                 "part_max_ptr": q.new_empty(shape, dtype=torch.float32),
                 "part_sum_ptr": q.new_empty(shape, dtype=torch.float32),
             }
-        else:
-            unused = q.new_empty(1, dtype=torch.float32)
-            partial = {"part_out_ptr": unused, "part_max_ptr": unused, "part_sum_ptr": unused}
         _decode_split[(batch, num_kv_heads, splits)](
             q,
             k_cache,

@@ -45,7 +45,8 @@ class SimRequest:
         this request alone (negative, so no real token id equals one)."""
         unique = -(self.index + 1) * UNIQUE_TOKEN_SPAN
         given = self.prompt_token_ids or ()
-        return [given[i] if i < len(given) else unique - i for i in range(start, end)]
+        own = max(start, len(given))
+        return [*given[start:end], *range(unique - own, unique - max(own, end), -1)]
 
     def add_token(self, now: float) -> None:
         self.token_times.append(now)
