@@ -36,8 +36,8 @@ test: lint
 	$(BIN)/pytest -q -x --durations=15
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests
-	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests scripts
+	$(BIN)/ruff format src tests scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

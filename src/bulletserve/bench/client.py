@@ -151,8 +151,8 @@ async def send_request(
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
     """The body's lines, ended as server-sent events end them: CR LF, LF or CR. Not
     `aiter_lines`, which splits like `str.splitlines`, also at U+2028, U+2029 and U+0085: JSON
-    leaves those unescaped, so an event whose generated text held one came apart mid-string
-    (a request of bench-cpu-37 failed so with a JSONDecodeError)."""
+    leaves those unescaped, so an event whose generated text held one would come apart
+    mid-string."""
     pending = b""
     async for chunk in response.aiter_bytes():
         lines = (pending + chunk).splitlines(keepends=True)  # bytes split at CR and LF only

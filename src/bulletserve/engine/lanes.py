@@ -272,9 +272,8 @@ class Lanes:
         emitted so far are written out, at most HANDOFF_WAIT_S, before planning a step: the
         event loop formatting tokens beside a multi-threaded step preempts one thread of the
         team, which every barrier then waits for. (The single-lane engine waits the same way
-        in `AsyncEngine._deliver`; lanes that did not ran their decode steps 5-15% slower
-        served than the single-lane engine's at the same batch, bench-cpu-55, and as fast
-        offline.)"""
+        in `AsyncEngine._deliver`; without it served decode steps ran 5-15% slower than
+        offline ones.)"""
         if not self.engine.acks_handoff:
             return
         deadline = time.monotonic() + HANDOFF_WAIT_S
