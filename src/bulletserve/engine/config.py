@@ -26,7 +26,8 @@ class EngineConfig:
     kv_cache_memory: str | None = None  # bytes or a fraction of free memory
     enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (full blocks)
     policy: str = "chunked"
-    num_threads: int | None = None  # CPU intra-op threads; default: all usable cores
+    num_threads: int | None = None  # CPU intra-op threads (a rank's); default: its share of cores
+    tensor_parallel_size: int = 1  # ranks the weights and KV heads are sharded over
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly, not as CUDA graphs
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # Bullet (--policy bullet) only:
@@ -42,7 +43,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
         positive += ["max_model_len", "chunked_prefill_size", "num_threads"]
-        positive += ["prefill_layers_per_step"]
+        positive += ["prefill_layers_per_step", "tensor_parallel_size"]
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -119,7 +120,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--policy", default="chunked", choices=POLICIES)
     group.add_argument(
-        "--num-threads", type=int, default=None, help="CPU threads (default: all usable cores)"
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of each rank (default: all usable cores, shared out among the ranks)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="shard the weights and the KV cache's heads over N ranks (processes on this "
+        "machine, a GPU each, or sharing the CPU's cores), torch.distributed between them "
+        "(NCCL on GPUs, gloo on CPUs)",
     )
     group.add_argument(
         "--cpu-warmup-rows",

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from bulletserve.dist.parallel import TensorParallel
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import DecodeGraphs
+from bulletserve.engine.ranks import Ranks, build_device_side, rank_device, rank_threads
 from bulletserve.engine.request import (
     Request,
     RequestOutput,
@@ -26,21 +28,16 @@ from bulletserve.engine.request import (
     RequestTimings,
     TokenLogprob,
 )
-from bulletserve.engine.runner import (
-    ModelRunner,
-    builds_gemm_kernels,
-    warm_cpu_gemms,
-)
+from bulletserve.engine.runner import WarmGemms, builds_gemm_kernels, warm_cpu_gemms
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.executor.book import RequestBook
 from bulletserve.executor.clock import Clock, RealClock
-from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
-from bulletserve.model.loader import load_config, load_model, resolve_dtype
+from bulletserve.model.loader import load_config, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
-from bulletserve.partition import TeamThread, usable_cores
+from bulletserve.partition import TeamThread
 from bulletserve.sched.base import Policy
 
 if TYPE_CHECKING:
@@ -86,7 +83,7 @@ class LLMEngine:
         self.clock: Clock = clock or RealClock()
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or usable_cores())
+            torch.set_num_threads(rank_threads(config))
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.dtype == "auto" and self.device.type == "cpu" and self.dtype == torch.float32:
             logger.info(
@@ -97,26 +94,29 @@ class LLMEngine:
         self.max_model_len = (
             config.max_model_len or load_config(self.source).max_position_embeddings
         )
-        self.model = model or load_model(
-            self.source, self.dtype, self.device, self.max_model_len, seed=config.seed
-        )
+        # Under --tensor-parallel-size N, the other ranks' processes (closed with the engine).
+        self.ranks: Ranks | None = None
+        tp = TensorParallel()
+        if config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("a loaded model cannot be sharded over tensor-parallel ranks")
+            self.ranks = Ranks.start(config, self.device)
+            tp = self.ranks.tp
+        try:
+            side = build_device_side(
+                config, rank_device(self.device, 0), self.dtype, self.max_model_len, tp, model
+            )
+        except BaseException:
+            self._close_ranks()
+            raise
+        self.model, self.pool, self.runner = side.model, side.pool, side.runner
         self.model_config = self.model.config
-        self.pool = KVPool.sized(
-            self.model_config,
-            config.block_size,
-            self.dtype,
-            self.device,
-            config.kv_cache_memory,
-            max_tokens_needed=config.max_num_seqs * self.max_model_len,
-            prefix_caching=config.enable_prefix_caching,
-        )
         if self.pool.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool holds {self.pool.num_blocks * config.block_size} tokens, fewer than "
                 f"--max-model-len {self.max_model_len}: raise --kv-cache-memory or lower "
                 "--max-model-len"
             )
-        self.runner = ModelRunner(self.model, self.pool, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)
@@ -140,6 +140,11 @@ class LLMEngine:
             self._warm_cpu_gemms()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
+        if self.ranks is not None:
+            logger.warning(
+                "decode steps run eagerly: CUDA graphs are not captured under tensor parallelism"
+            )
+            return None
         if self.runner.decode_kernel is None:
             logger.warning(
                 "decode steps run eagerly: CUDA graphs need our Triton decode kernel (Triton is "
@@ -160,6 +165,7 @@ class LLMEngine:
         started = time.perf_counter()
         counts = self.executor.thread_counts()
         rows = min(config.cpu_warmup_rows, config.max_num_batched_tokens)
+        self.runner.tp.announce("decode", WarmGemms(rows, config.max_num_seqs, counts))
         built = warm_cpu_gemms(self.model, rows, config.max_num_seqs, counts)
         logger.info(
             "built %d GEMM kernels (steps up to %d rows, on %s threads) in %.1f s",
@@ -250,10 +256,16 @@ class LLMEngine:
         return self.executor.lane_units()
 
     def close(self) -> None:
-        """Stop the executor's background work and close the step log."""
+        """Stop the executor's background work, the other ranks, and close the step log."""
         self.executor.close()
+        self._close_ranks()
         if self.step_log:
             self.step_log.close()
+
+    def _close_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def has_unfinished(self) -> bool:
         """Work left, or outputs the executor produced that `step()` has not returned yet."""

@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
@@ -26,7 +25,7 @@ import torch
 
 from bulletserve.engine.engine import HANDOFF_WAIT_S
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
-from bulletserve.engine.runner import SeqWork, StepBatch
+from bulletserve.engine.runner import Placement, PrefillPass, SeqWork
 from bulletserve.engine.sampler import Sampler
 from bulletserve.executor.lanes import LaneCore, LaneStep
 from bulletserve.executor.record import Lane, write_step
@@ -53,15 +52,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass
-class DevicePass:
-    """The device side of the prefill batch's current pass: its inputs, and the hidden states
-    after the layers run so far."""
-
-    batch: StepBatch
-    hidden: torch.Tensor | None = None
-
-
 class Lanes:
     """The engine's executor under `--policy bullet`: a prefill lane and a decode lane on their
     own threads (see the module's docstring)."""
@@ -86,7 +76,7 @@ class Lanes:
             self.book, self.policy, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.clock.attach(self.core)
-        self._pass: DevicePass | None = None
+        self._pass: PrefillPass | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
@@ -288,14 +278,19 @@ class Lanes:
         the core's wait (`LaneCore.wait_s`)."""
         self.clock.wait(self._state, self.core.wait_s(lane, self.engine.pending_intake))
 
+    def _placement(self, step: LaneStep[Request]) -> Placement:
+        """Where the step runs: a decode step beside a prefill group on the units that group
+        leaves (on a GPU, the disjoint remainder), any other on its own units."""
+        if step.lane == "decode" and step.units < self.units.total:
+            return Placement(step.split.prefill, rest=True)
+        return Placement(step.units)
+
     def _on_units(self, step: LaneStep[Request], work: Callable[[], T]) -> tuple[T, float]:
         """Run `work()` on the step's units (claimed in the core under the state lock when the
         step started), and release them when it ends; its result and the step's seconds."""
-        if step.lane == "decode" and step.units < self.units.total:
-            # The units the prefill group leaves (on a GPU, the disjoint remainder).
-            run = partial(self.units.run, step.split.prefill, work, rest=True)
-        else:
-            run = partial(self.units.run, step.units, work)
+        placement = self._placement(step)
+        assert placement.units is not None
+        run = partial(self.units.run, placement.units, work, rest=placement.rest)
         try:
             return self.clock.run_step(step, run)
         finally:
@@ -342,7 +337,7 @@ class Lanes:
                         if request.timings.first_scheduled is None:
                             request.timings.first_scheduled = now
                 if step.layers[0] == 0:
-                    self._pass = DevicePass(self.runner.prepare(self._pass_works(step)))
+                    self._pass = self.runner.begin_pass(self._pass_works(step))
                 device_pass = self._pass
             (hidden, logits, runner_s), measured = self._on_units(
                 step, partial(self._prefill_step, device_pass, step)
@@ -371,37 +366,29 @@ class Lanes:
         ]
         return works + [_decode_work(r) for r in step.fused]
 
-    @torch.inference_mode()
     def _prefill_step(
-        self, device_pass: DevicePass, step: LaneStep[Request]
+        self, device_pass: PrefillPass, step: LaneStep[Request]
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """The layer group's hidden states, the logits when it was the last group and a row
         samples, and the seconds the model took (on the thread that ran it, without the
         hand-off to it)."""
         start = time.perf_counter()
-        batch = device_pass.batch
-        hidden = device_pass.hidden
-        if hidden is None:
-            hidden = self.model.embed(batch.input_ids)
         first, last = step.layers
-        hidden = self.model.run_layers(
-            hidden, batch.positions, self.pool.layers, batch.meta, first, last
+        hidden, logits = self.runner.run_layers(
+            device_pass, first, last, self._logits["prefill"], self._placement(step)
         )
-        logits = None
-        if last == self.model_config.num_layers and batch.sampling_order:
-            logits = self.runner.logits(hidden, batch, self._logits["prefill"])
         self.units.synchronize()  # the step's device time, not its launch time
         return hidden, logits, time.perf_counter() - start
 
     def _decode_step(
-        self, works: list[SeqWork], requests: list[Request]
+        self, works: list[SeqWork], requests: list[Request], placement: Placement
     ) -> tuple[list[tuple[int, TokenLogprob | None]], float]:
         """A token (and logprob) per request, and the seconds the model took. Sampling runs here,
         on the step's units: on the decode lane's own thread it ran on one CPU thread, and at
         160 rows it added 30 ms to a 100 ms step, where the single-lane engine samples on
         every thread. The requests are busy, so no other thread changes what it reads."""
         start = time.perf_counter()
-        logits, _ = self.runner.execute(works, self._logits["decode"])
+        logits, _ = self.runner.execute(works, self._logits["decode"], "decode", placement)
         self.units.synchronize()
         runner_s = time.perf_counter() - start
         tokens, logprobs = self._decode_sampler.sample(
@@ -409,7 +396,7 @@ class Lanes:
         )
         return list(zip(tokens, logprobs, strict=True)), runner_s
 
-    def _end_pass(self, device_pass: DevicePass, logits: torch.Tensor | None) -> None:
+    def _end_pass(self, device_pass: PrefillPass, logits: torch.Tensor | None) -> None:
         """After a pass's last layer: sample the first tokens of the prompts it completed (and
         the fused decode rows' next ones); those prompts join the decode lane."""
         ended = self.core.end_pass(lambda request: request.is_finished)
@@ -454,7 +441,7 @@ class Lanes:
                 step = core.start_decode(plan)
                 works = [_decode_work(r) for r in step.requests]
             (sampled, runner_s), measured = self._on_units(
-                step, partial(self._decode_step, works, step.requests)
+                step, partial(self._decode_step, works, step.requests, self._placement(step))
             )
             with self._state:
                 core.end_step("decode")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bulletserve.dist.parallel import Channel
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import (
     AttentionMetadata,
@@ -71,6 +72,64 @@ class StepBatch:
     sampling_order: list[int]  # index into the given works, per logits row
 
 
+@dataclass
+class PrefillPass:
+    """The device side of a prefill batch's pass through the layers, one layer group a step:
+    its works, their inputs, and the hidden states after the layers run so far."""
+
+    works: list[SeqWork]
+    batch: StepBatch
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a lane's step runs: on `units` units (threads, SMs), or on the units beside them
+    (`rest`); None: on every unit (one lane)."""
+
+    units: int | None = None
+    rest: bool = False
+
+
+EVERY_UNIT = Placement()
+
+
+# What rank 0's runner announces to the other tensor-parallel ranks (`dist.parallel`), each
+# before it runs the same on its own shard. Pure data, pickled.
+
+
+@dataclass
+class RunStep:
+    """A whole step (`ModelRunner.execute`)."""
+
+    works: list[SeqWork]
+    placement: Placement
+
+
+@dataclass
+class RunLayers:
+    """A prefill pass's layer group (`ModelRunner.run_layers`); `works` with the first group."""
+
+    works: list[SeqWork] | None
+    first: int
+    last: int
+    placement: Placement
+
+
+@dataclass
+class WarmGemms:
+    """`warm_cpu_gemms` on every rank's shard."""
+
+    max_rows: int
+    max_sampled_rows: int
+    thread_counts: list[int]
+
+
+@dataclass
+class StopRank:
+    """The engine is closing: the rank's channel loop ends."""
+
+
 def context_slots(
     tables: torch.Tensor, contexts: list[int], block_size: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,13 +155,18 @@ def block_tables(tables: list[list[int]], contexts: list[int], block_size: int) 
 
 
 class ModelRunner:
+    """Runs steps of `model` (one rank's shard under tensor parallelism) on `pool`. On rank 0
+    of several, every step is first announced to the other ranks on the calling lane's
+    channel (`dist.parallel`); they run it on their shards alongside."""
+
     def __init__(self, model: DecoderLM, pool: KVPool, device: torch.device) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.tp = model.tp
         self.block_size = pool.block_size
         self._block_offsets = torch.arange(self.block_size)
-        config = model.config
+        config = model.shard_config
         group = config.num_heads // config.num_kv_heads
         self.decode_kernel: DecodeKernel | None
         self.prefill_kernel: PrefillKernel | None
@@ -246,18 +310,57 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, works: list[SeqWork], out: LogitsBuffer | None = None
+        self,
+        works: list[SeqWork],
+        out: LogitsBuffer | None = None,
+        channel: Channel = "decode",
+        placement: Placement = EVERY_UNIT,
     ) -> tuple[torch.Tensor, list[int]]:
         """Run one step; return fp32 logits for sampling sequences (in `out`'s memory, if
-        given) and their indices in `works`."""
+        given) and their indices in `works`. `channel` and `placement`: the lane it runs for
+        and where, as the other ranks are told."""
         if self.graphs is not None and self.graphs.fits(works):
             return self.graphs.run(works), list(range(len(works)))
+        self.tp.announce(channel, RunStep(works, placement))
         batch = self.prepare(works)
-        hidden = self.model.embed(batch.input_ids)
-        hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)
-        if not batch.sampling_order:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
-        return self.logits(hidden, batch, out), batch.sampling_order
+        with self.tp.on(channel):
+            hidden = self.model.embed(batch.input_ids)
+            hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)
+            if not batch.sampling_order:
+                return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
+            return self.logits(hidden, batch, out), batch.sampling_order
+
+    def begin_pass(self, works: list[SeqWork]) -> PrefillPass:
+        """A prefill batch's pass, ready for its first layer group."""
+        return PrefillPass(works, self.prepare(works))
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        device_pass: PrefillPass,
+        first: int,
+        last: int,
+        out: LogitsBuffer | None = None,
+        placement: Placement = EVERY_UNIT,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers [first, last) of a pass (on the prefill channel): the hidden states after
+        them, and after the last layer the logits of the rows that sample (else None). The
+        caller keeps the hidden states in the pass for its next group."""
+        self.tp.announce(
+            "prefill", RunLayers(device_pass.works if first == 0 else None, first, last, placement)
+        )
+        batch = device_pass.batch
+        with self.tp.on("prefill"):
+            hidden = device_pass.hidden
+            if hidden is None:
+                hidden = self.model.embed(batch.input_ids)
+            hidden = self.model.run_layers(
+                hidden, batch.positions, self.pool.layers, batch.meta, first, last
+            )
+            logits = None
+            if last == self.model.config.num_layers and batch.sampling_order:
+                logits = self.logits(hidden, batch, out)
+        return hidden, logits
 
     def logits(
         self, hidden: torch.Tensor, batch: StepBatch, out: LogitsBuffer | None = None

@@ -73,8 +73,24 @@ class KVPool:
         max_tokens_needed: int,
         prefix_caching: bool = False,
     ) -> KVPool:
-        """A pool of `kv_cache_memory` (bytes or fraction of free memory; default 0.3 of free),
-        never larger than `max_tokens_needed` tokens."""
+        """A pool of `num_blocks_for` blocks."""
+        num_blocks = cls.num_blocks_for(
+            config, block_size, dtype, device, kv_cache_memory, max_tokens_needed
+        )
+        return cls(config, num_blocks, block_size, dtype, device, prefix_caching)
+
+    @classmethod
+    def num_blocks_for(
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_memory: str | None,
+        max_tokens_needed: int,
+    ) -> int:
+        """The blocks of `kv_cache_memory` (bytes or fraction of free memory; default 0.3 of
+        free), never more than `max_tokens_needed` tokens hold."""
         amount = (
             DEFAULT_MEMORY_FRACTION if kv_cache_memory is None else parse_memory(kv_cache_memory)
         )
@@ -82,5 +98,4 @@ class KVPool:
             raise ValueError(f"--kv-cache-memory must be positive, not {kv_cache_memory!r}")
         memory = amount * free_device_memory(device) if amount <= 1 else amount
         num_blocks = cls.blocks_for_memory(config, block_size, dtype, memory)
-        num_blocks = min(num_blocks, -(-max_tokens_needed // block_size))
-        return cls(config, num_blocks, block_size, dtype, device, prefix_caching)
+        return min(num_blocks, -(-max_tokens_needed // block_size))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,28 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    def sharded(self, size: int) -> ModelConfig:
+        """One of `size` tensor-parallel ranks' share of the layers: its query heads, KV heads
+        and MLP columns (the vocabulary and hidden size stay whole). Raises where `size` does
+        not divide them."""
+        if size == 1:
+            return self
+        for name, count in (
+            ("attention heads", self.num_heads),
+            ("KV heads", self.num_kv_heads),
+            ("MLP columns (intermediate_size)", self.intermediate_size),
+        ):
+            if count % size:
+                raise ValueError(
+                    f"--tensor-parallel-size {size} does not divide the model's {count} {name}"
+                )
+        return replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=self.num_kv_heads // size,
+            intermediate_size=self.intermediate_size // size,
+        )
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bulletserve.dist.parallel import TensorParallel
 from bulletserve.model.attention import AttentionMetadata, paged_attention
 from bulletserve.model.config import ModelConfig, RopeScaling
 from bulletserve.model.cpu_kernels import FusedOps, LinearKernel
@@ -147,9 +148,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """`config`: this rank's share (`ModelConfig.sharded`); o_proj's partial sums are added
+    up over the ranks."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
@@ -177,12 +182,16 @@ class Attention(nn.Module):
         q = rope.apply(q)
         k = rope.apply(k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, c.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, c.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """`config`: this rank's share of the columns; down_proj's partial sums are added up over
+    the ranks."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -191,18 +200,18 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -241,17 +250,29 @@ class LogitsBuffer:
 
 
 class DecoderLM(nn.Module):
-    """A decoder-only LM. A step: `embed`, `run_layers` over one or more layer groups, `logits`."""
+    """A decoder-only LM. A step: `embed`, `run_layers` over one or more layer groups, `logits`.
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    Under tensor parallelism (`tp` of several ranks) this is one rank's shard: its heads and MLP
+    columns (`shard_config`), the whole embedding, and its share of the vocabulary in the LM
+    head (a slice of the embedding where they are tied); `logits` gathers the whole rows on
+    rank 0."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TensorParallel()
+        self.shard_config = config.sharded(self.tp.size)
+        self.vocab_range = self.tp.shard.padded_range(config.vocab_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.shard_config, self.tp) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.local_vocab_size, bias=False)
         self.packed_linear: LinearKernel | None = None
 
     def reset_rotary(self, device: torch.device, max_positions: int) -> None:
@@ -288,9 +309,15 @@ class DecoderLM(nn.Module):
         ]
 
     @property
+    def local_vocab_size(self) -> int:
+        """The LM head's rows on this rank."""
+        return self.vocab_range[1] - self.vocab_range[0]
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
-            return self.embed_tokens.weight
+            start, end = self.vocab_range
+            return self.embed_tokens.weight[start:end]
         return self.lm_head.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -320,11 +347,14 @@ class DecoderLM(nn.Module):
         return self.lm_head_logits(self.norm(hidden.index_select(0, rows)), out)
 
     def lm_head_logits(self, normed: torch.Tensor, out: LogitsBuffer | None = None) -> torch.Tensor:
-        """fp32 logits of final-normed hidden rows; with `out`, in its memory."""
+        """fp32 logits of final-normed hidden rows; with `out`, in its memory (with several
+        ranks, rank 0's whole rows from every rank's columns, in new memory)."""
         if self.packed_linear is not None:
-            logits = self.packed_linear(normed, self.packed_lm_head, self.config.vocab_size)
+            logits = self.packed_linear(normed, self.packed_lm_head, self.local_vocab_size)
         else:
             logits = F.linear(normed, self.lm_head_weight)
+        if self.tp.size > 1:
+            return self.tp.gather_columns(logits.float(), self.config.vocab_size)
         if out is None or logits.dtype == torch.float32:
             return logits.float()
         return out.fp32(logits)

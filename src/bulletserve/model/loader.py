@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bulletserve.dist.parallel import TensorParallel
+from bulletserve.dist.shard import weight_split
 from bulletserve.model.config import ModelConfig
 from bulletserve.model.cpu_kernels import fused_ops, packed_linear_kernel
 from bulletserve.model.decoder import DecoderLM
@@ -68,12 +70,15 @@ def load_model(
     max_positions: int,
     seed: int = 0,
     pack_linear: bool = True,
+    tp: TensorParallel | None = None,
 ) -> DecoderLM:
     """A model ready to run, with weights of `dtype` on `device`. `pack_linear=False` keeps
-    PyTorch's GEMM for the projections even where our packed kernel would be faster."""
+    PyTorch's GEMM for the projections even where our packed kernel would be faster. `tp`: this
+    rank's shard of the weights only (read in slices from safetensors; the same values as the
+    whole model's)."""
     config = load_config(source)
     with torch.device("meta"):
-        model = DecoderLM(config, max_positions)
+        model = DecoderLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.reset_rotary(device, max_positions)
     if source.load_format == "dummy":
@@ -82,7 +87,7 @@ def load_model(
         folder = (
             source.path if source.load_format == "safetensors" else _converted_gguf(source.path)
         )
-        model.load_hf_weights(_safetensors_weights(folder))
+        model.load_hf_weights(_safetensors_weights(folder, model))
     model.use_fused_ops(fused_ops(dtype, device))
     with torch.inference_mode():
         linear = (
@@ -98,12 +103,22 @@ def load_model(
     return model.eval()
 
 
-def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(folder.glob("*.safetensors"))
-    for file in files:
+def _safetensors_weights(folder: Path, model: DecoderLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors, each only in the part `model`'s rank holds."""
+    shard = model.tp.shard
+    for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                split = weight_split(name, model.config) if shard.size > 1 else None
+                if split is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                lazy = f.get_slice(name)
+                parts = [
+                    lazy[start:end] if split.dim == 0 else lazy[:, start:end]
+                    for start, end in split.ranges(shard)
+                ]
+                yield name, parts[0] if len(parts) == 1 else torch.cat(parts, split.dim)
 
 
 @torch.inference_mode()
@@ -113,16 +128,28 @@ def _fill_random(model: DecoderLM, seed: int) -> None:
     between devices)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
+    shard = model.tp.shard
+    with torch.device("meta"):
+        whole = dict(DecoderLM(model.config, 1).named_parameters())
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
+            # A rank draws the whole weight (the same values as one rank's) and keeps its part.
+            split = weight_split(name, model.config) if shard.size > 1 else None
+            full = (
+                param
+                if split is None
+                else torch.empty(whole[name].shape, dtype=param.dtype, device=device)
+            )
             # Filled a row block at a time so an 8B model never needs a second fp32 copy.
-            for rows in torch.split(torch.arange(param.shape[0]), 4096):
-                block = torch.randn(len(rows), *param.shape[1:], generator=generator, device=device)
-                param[rows[0] : rows[-1] + 1].copy_(block * 0.02)
+            for rows in torch.split(torch.arange(full.shape[0]), 4096):
+                block = torch.randn(len(rows), *full.shape[1:], generator=generator, device=device)
+                full[rows[0] : rows[-1] + 1].copy_(block * 0.02)
+            if split is not None:
+                param.copy_(split.take(full, shard))
 
 
 def _converted_gguf(gguf_file: Path) -> Path:
