@@ -42,6 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     )
     device.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     device.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="GPUs of one node the model is sharded over (all-reduce times from the profile)",
+    )
+    device.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
@@ -127,7 +134,13 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.sim.hardware import SimSetupError
     from bulletserve.sim.runner import SimConfig, simulate
 
-    for flag in ("num_prompts", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for flag in (
+        "num_prompts",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "tensor_parallel_size",
+    ):
         if getattr(args, flag) < 1:
             raise CLIError(f"--{flag.replace('_', '-')} must be at least 1")
     for flag in ("chunked_prefill_size", "max_model_len", "prefill_layers_per_step"):
@@ -162,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         trace_arrivals=args.trace_arrivals,
         random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
         dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         max_num_seqs=args.max_num_seqs,

@@ -13,7 +13,8 @@ at one load of the other lane; `corun_load` scales it by the other lane's load:
 entry], ...]`: a step that ends in logits pays it for each of its rows. `host_s_per_step` and
 `host_s_per_row` are the engine's own time around a step, outside the model and the sampler
 (scheduling, detokenizing, handing outputs over): a step costs `host_s_per_step` plus
-`host_s_per_row` for each sequence it samples.
+`host_s_per_row` for each sequence it samples. `all_reduce_s` is a tensor-parallel all-reduce's
+time among the devices of one node, `{"<ranks>": [[bytes, seconds], ...]}`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class Calibration:
     (other lane's rows, factor on the co-running alpha) points; contention-adjusted decode
     bandwidth as (decode units, bytes/s) points; the unit sweep the profile was built from;
     the sampler's seconds per logit (row x vocabulary entry) as (units, seconds) points; the
-    engine's host seconds per step and per sampled row (0: not measured)."""
+    engine's host seconds per step and per sampled row (0: not measured); an all-reduce's
+    seconds by ranks, as (bytes, seconds) points."""
 
     alpha: dict[str, dict[int, Points]] = field(default_factory=dict)
     corun_load: dict[str, dict[int, Points]] = field(default_factory=dict)
@@ -65,6 +67,7 @@ class Calibration:
     sampling_s_per_logit: Points = ()
     host_s_per_step: float = 0.0
     host_s_per_row: float = 0.0
+    all_reduce_s: dict[int, Points] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,10 @@ class HardwareProfile:
             "sampling_s_per_logit": [list(p) for p in self.calibration.sampling_s_per_logit],
             "host_s_per_step": self.calibration.host_s_per_step,
             "host_s_per_row": self.calibration.host_s_per_row,
+            "all_reduce_s": {
+                str(ranks): [list(p) for p in pts]
+                for ranks, pts in self.calibration.all_reduce_s.items()
+            },
         }
         out["sources"] = list(self.sources)
         return out
@@ -277,6 +284,7 @@ def _calibration(raw: dict[str, Any]) -> Calibration:
         sampling_s_per_logit=sampling,
         host_s_per_step=host.non_negative("host_s_per_step") if "host_s_per_step" in raw else 0.0,
         host_s_per_row=host.non_negative("host_s_per_row") if "host_s_per_row" in raw else 0.0,
+        all_reduce_s=_unit_table(raw.get("all_reduce_s", {}), "calibration.all_reduce_s"),
     )
 
 

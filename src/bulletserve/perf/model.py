@@ -16,6 +16,11 @@ that reaches the LM head also pays the engine's sampler for each of its rows, at
 measured cost per logit (0 where the profile has none, as the datasheet presets). A decode
 step co-running with a prefill sees the profile's contention-adjusted bandwidth, and a co-running
 alpha is scaled by the profile's load factor for the other lane's rows.
+
+Under tensor parallelism over R ranks the roofline is one rank's: its share of the heads, the
+MLP columns and the vocabulary (`ModelConfig.sharded`). Every layer adds two all-reduces of the
+step's hidden states, and a step that reaches the LM head a gather of the logits (priced as an
+all-reduce of the rank's share), at the profile's measured all-reduce time for R ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from bulletserve.perf.inventory import (
     FIRST,
     LAST,
     LAYER,
+    LOGIT_BYTES,
+    SEQS,
     TOKENS,
     Counts,
     op_templates,
@@ -101,6 +108,7 @@ class PerfModel:
         hw: HardwareProfile,
         dtype: str = "bfloat16",
         correction_weight: float = 0.1,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
@@ -112,6 +120,12 @@ class PerfModel:
         if not 0 < correction_weight <= 1:
             raise ValueError("correction_weight must be in (0, 1]")
         self.cfg, self.hw, self.dtype = cfg, hw, dtype
+        self.tensor_parallel_size = tensor_parallel_size
+        self._all_reduce = _all_reduce_curve(hw, tensor_parallel_size)
+        rank_cfg = replace(
+            cfg.sharded(tensor_parallel_size),
+            vocab_size=-(-cfg.vocab_size // tensor_parallel_size),
+        )
         self.correction_weight = correction_weight
         self.corrections = Corrections()
         self._c_peak = hw.peak_flops[dtype]
@@ -122,7 +136,7 @@ class PerfModel:
             FIRST: [],
             LAST: [],
         }
-        for t in op_templates(cfg, DTYPE_BYTES[dtype]):
+        for t in op_templates(rank_cfg, DTYPE_BYTES[dtype]):
             self._ops[t.scope].append((t.flops, t.bytes, t.fixed_bytes, t.gemm_n, t.gemm_rows))
         cal = hw.calibration
         self._alpha = {p: AlphaSurface.from_table(t) for p, t in cal.alpha.items() if t}
@@ -252,7 +266,19 @@ class PerfModel:
         if t == 0.0:
             return 0.0
         alpha = self._alpha_at(es, phase, counts[TOKENS], corun)
-        return self.hw.step_overhead_s + alpha * t + self.sampling_s(es, phase)
+        comm = self.communication_s(es, phase, counts) if self._all_reduce else 0.0
+        return self.hw.step_overhead_s + alpha * t + comm + self.sampling_s(es, phase)
+
+    def communication_s(self, es: ExecutionState, phase: str, counts: Counts) -> float:
+        """The tensor-parallel collectives of `phase` of `es`: two all-reduces of the hidden
+        states per layer, and the logits' gather after the last."""
+        layers, _, last = phase_layers(self.cfg, es, phase)
+        d = DTYPE_BYTES[self.dtype]
+        total = 2 * layers * self._all_reduce(counts[TOKENS] * self.cfg.hidden_size * d)
+        if last:
+            logits = counts[SEQS] * self.cfg.vocab_size * LOGIT_BYTES / self.tensor_parallel_size
+            total += self._all_reduce(logits)
+        return total
 
     def sampling_s(self, es: ExecutionState, phase: str) -> float:
         """The sampler's time for `phase` of `es`: a row per sequence whose step reaches the
@@ -305,3 +331,31 @@ class PerfModel:
         else:
             key, updated = phase, (1 - w) * alone + w * ratio
         self.corrections = replace(c, **{key: updated})
+
+
+def _all_reduce_curve(hw: HardwareProfile, ranks: int) -> AllReduceTime | None:
+    if ranks == 1:
+        return None
+    points = hw.calibration.all_reduce_s.get(ranks)
+    if not points:
+        known = ", ".join(map(str, hw.calibration.all_reduce_s)) or "none"
+        raise ValueError(
+            f"hardware profile {hw.name!r} has no all-reduce times for {ranks} ranks "
+            f"(it has: {known}); the a100-80gb and h100-sxm presets carry 2, 4 and 8"
+        )
+    return AllReduceTime(points)
+
+
+class AllReduceTime:
+    """An all-reduce's seconds for a message of n bytes: linear between measured sizes, the
+    smallest's latency below them, and bandwidth-bound (proportional) above the largest."""
+
+    def __init__(self, points: tuple[tuple[float, float], ...]) -> None:
+        self._curve = Curve.from_points(points, log_x=False)
+        self._largest = points[-1]
+
+    def __call__(self, nbytes: float) -> float:
+        size, seconds = self._largest
+        if nbytes > size:
+            return seconds * nbytes / size
+        return self._curve(nbytes)

@@ -1,4 +1,4 @@
-"""Derive GPU presets' GEMM alpha from Vidur's measured per-op timings.
+"""Derive GPU presets' GEMM alpha and all-reduce times from Vidur's measured timings.
 
 Source: microsoft/vidur (MIT License), folder data/profiling/compute, commit 7d47513; a copy
 lives in the project's shared data folder (never committed here). Each CSV row holds one layer's
@@ -6,7 +6,12 @@ op latencies (ms) at `num_tokens` rows on a whole GPU. alpha(rows) = measured ti
 GEMMs (fused q/k/v, o, gate+up, down; medians over repeated rows) / their roofline T' on the
 preset at all SMs. Attention is not in the data, so the same GEMM alpha serves both phases.
 
-    python -m bulletserve.perf.vidur CSV PRESET   # prints the alpha points as JSON
+The all-reduce CSVs (`*_dgx_all_reduce.csv`) hold NCCL all-reduce times
+by `size` (fp16 elements: Vidur's profiler all-reduces a float16 buffer of that many) and
+ranks; `all_reduce_points` keeps the ranks of one node (`num_workers == devices_per_node`).
+
+    python -m bulletserve.perf.vidur CSV PRESET        # prints the alpha points as JSON
+    python -m bulletserve.perf.vidur --all-reduce CSV  # the all-reduce points by ranks
 """
 
 from __future__ import annotations
@@ -70,7 +75,39 @@ def gemm_alpha_points(path: str | Path, hw: HardwareProfile, powers_of_two: bool
     return tuple(points)
 
 
+VIDUR_ALL_REDUCE_BYTES = 2  # per element: a float16 buffer
+
+
+def all_reduce_points(path: str | Path) -> dict[int, Points]:
+    """Ranks -> (bytes, seconds) points of one node's all-reduce: the median time and size in
+    each power-of-two size band, made non-decreasing (small sizes are latency-bound, and their
+    medians scatter around it)."""
+    bands: dict[int, dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["collective"] != "all_reduce" or r["num_workers"] != r["devices_per_node"]:
+                continue
+            size = int(r["size"]) * VIDUR_ALL_REDUCE_BYTES
+            seconds = float(r["time_stats.all_reduce.median"]) / 1e3
+            bands[int(r["num_workers"])][size.bit_length()].append((size, seconds))
+    if not bands:
+        raise ValueError(f"{path}: no all-reduce rows within one node")
+    out: dict[int, Points] = {}
+    for ranks, by_band in sorted(bands.items()):
+        points, floor = [], 0.0
+        for band in sorted(by_band):
+            sizes, times = zip(*by_band[band], strict=True)
+            floor = max(floor, statistics.median(times))
+            points.append((float(statistics.median(sizes)), round(floor, 8)))
+        out[ranks] = tuple(points)
+    return out
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--all-reduce":
+        table = all_reduce_points(argv[1])
+        print(json.dumps({str(r): [list(p) for p in pts] for r, pts in table.items()}))
+        return 0
     path, preset = argv
     print(json.dumps([list(p) for p in gemm_alpha_points(path, load_preset(preset))]))
     return 0

@@ -24,8 +24,14 @@ from bulletserve.perf.state import ExecutionState
 class CachedPerfModel(PerfModel):
     """A PerfModel whose predictions are memoized; the policy and the simulator share it."""
 
-    def __init__(self, cfg: ModelConfig, hw: HardwareProfile, dtype: str = "bfloat16") -> None:
-        super().__init__(cfg, hw, dtype)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        hw: HardwareProfile,
+        dtype: str = "bfloat16",
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        super().__init__(cfg, hw, dtype, tensor_parallel_size=tensor_parallel_size)
         self._cache: dict[ExecutionState, StepPrediction] = {}
 
     def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:

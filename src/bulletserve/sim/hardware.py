@@ -72,8 +72,14 @@ def load_model_config(spec: str) -> ModelConfig:
         raise SimSetupError(f"--model {spec}: {exc}") from None
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str) -> float:
-    return float(cfg.num_parameters() * DTYPE_BYTES[dtype])
+def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> float:
+    """One rank's weights: its share of every layer and of the LM head, and the whole
+    embedding (the engine's layout, `dist.shard`)."""
+    embedding = cfg.vocab_size * cfg.hidden_size
+    lm_head = 0 if cfg.tie_word_embeddings else embedding
+    layers = cfg.num_parameters() - embedding - lm_head
+    params = layers / tensor_parallel_size + embedding + lm_head / tensor_parallel_size
+    return float(params * DTYPE_BYTES[dtype])
 
 
 def kv_cache_blocks(
@@ -82,14 +88,21 @@ def kv_cache_blocks(
     block_size: int,
     device_memory: float,
     utilization: float = GPU_MEMORY_UTILIZATION,
+    tensor_parallel_size: int = 1,
 ) -> int:
-    """KV blocks that fit in utilization x device memory once the weights are loaded."""
-    kv_bytes = utilization * device_memory - weight_bytes(cfg, dtype)
-    per_block = cfg.kv_bytes_per_token(DTYPE_BYTES[dtype]) * block_size
+    """KV blocks that fit in utilization x each device's memory once its weights are loaded
+    (under tensor parallelism a block holds each rank's share of the KV heads)."""
+    weights = weight_bytes(cfg, dtype, tensor_parallel_size)
+    kv_bytes = utilization * device_memory - weights
+    try:
+        rank_cfg = cfg.sharded(tensor_parallel_size)
+    except ValueError as exc:
+        raise SimSetupError(str(exc)) from None
+    per_block = rank_cfg.kv_bytes_per_token(DTYPE_BYTES[dtype]) * block_size
     blocks = int(kv_bytes // per_block)
     if blocks < 1:
         raise SimSetupError(
-            f"the weights ({weight_bytes(cfg, dtype) / GIB:.1f} GiB) leave no KV cache in "
+            f"the weights ({weights / GIB:.1f} GiB a device) leave no KV cache in "
             f"{utilization:g} x {device_memory / GIB:.1f} GiB of device memory"
         )
     return blocks

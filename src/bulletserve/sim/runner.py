@@ -61,6 +61,7 @@ class SimConfig:
     trace_arrivals: bool = False
     random_lengths: RandomLengths = field(default_factory=RandomLengths)
     dtype: str = "bfloat16"
+    tensor_parallel_size: int = 1  # GPUs of one node the model is sharded over
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -90,7 +91,7 @@ def setup(config: SimConfig) -> SimSetup:
     hw = load_hardware(config.hardware)
     model = load_model_config(config.model)
     try:
-        perf = CachedPerfModel(model, hw, config.dtype)
+        perf = CachedPerfModel(model, hw, config.dtype, config.tensor_parallel_size)
     except ValueError as exc:
         raise SimSetupError(str(exc)) from None
     if config.num_gpu_blocks_override is not None:
@@ -99,7 +100,12 @@ def setup(config: SimConfig) -> SimSetup:
         memory_gib = config.device_memory_gib
         memory = device_memory(hw, memory_gib * GIB if memory_gib is not None else None)
         num_blocks = kv_cache_blocks(
-            model, config.dtype, config.block_size, memory, config.gpu_memory_utilization
+            model,
+            config.dtype,
+            config.block_size,
+            memory,
+            config.gpu_memory_utilization,
+            config.tensor_parallel_size,
         )
     max_model_len = config.max_model_len or model.max_position_embeddings
     if num_blocks * config.block_size < max_model_len and config.max_model_len is None:
