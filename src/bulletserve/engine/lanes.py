@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from bulletserve.engine.engine import HANDOFF_WAIT_S
+from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.runner import Placement, PrefillPass, SeqWork
 from bulletserve.engine.sampler import Sampler
@@ -89,13 +90,27 @@ class Lanes:
         self._logits = {"prefill": LogitsBuffer(), "decode": LogitsBuffer()}
 
     def _make_policy(self) -> BulletPolicy:
-        self.units: Units = lane_units(self.device, self.config.num_threads, self._team)
+        self.units: Units = lane_units(self.device, rank_threads(self.config), self._team)
         dtype = DTYPE_NAMES[self.dtype]
         mode, static = parse_partition(self.config.partition, self.units.total)
         profile = self._hardware_profile()
         if isinstance(self.units, WholeGPU):
             mode, static = "none", None
-        self.perf = PerfModel(self.model_config, profile, dtype)
+        ranks = self.config.tensor_parallel_size
+        priced = ranks == 1 or ranks in profile.calibration.all_reduce_s
+        if not priced:
+            logger.warning(
+                "the hardware profile has no all-reduce times for %d ranks: step predictions "
+                "leave the collectives to the online correction",
+                ranks,
+            )
+        self.perf = PerfModel(
+            self.model_config,
+            profile,
+            dtype,
+            tensor_parallel_size=ranks,
+            price_collectives=priced,
+        )
         return BulletPolicy(
             perf=self.perf,
             units=UnitSpace(

@@ -109,7 +109,10 @@ class PerfModel:
         dtype: str = "bfloat16",
         correction_weight: float = 0.1,
         tensor_parallel_size: int = 1,
+        price_collectives: bool = True,
     ) -> None:
+        """`price_collectives=False`: leave tensor parallelism's collectives out (a profile
+        without all-reduce times for the ranks; the online correction takes them in)."""
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
         if dtype not in hw.peak_flops:
@@ -121,10 +124,12 @@ class PerfModel:
             raise ValueError("correction_weight must be in (0, 1]")
         self.cfg, self.hw, self.dtype = cfg, hw, dtype
         self.tensor_parallel_size = tensor_parallel_size
-        self._all_reduce = _all_reduce_curve(hw, tensor_parallel_size)
         rank_cfg = replace(
             cfg.sharded(tensor_parallel_size),
             vocab_size=-(-cfg.vocab_size // tensor_parallel_size),
+        )
+        self._all_reduce = (
+            _all_reduce_curve(hw, tensor_parallel_size) if price_collectives else None
         )
         self.correction_weight = correction_weight
         self.corrections = Corrections()

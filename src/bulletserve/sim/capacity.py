@@ -62,6 +62,7 @@ class Task:
     target: float
     slo: SLO | None = None  # None: the paper's SLOs for the workload
     dtype: str = "bfloat16"
+    tensor_parallel_size: int = 1
     max_model_len: int | None = None
     num_gpu_blocks_override: int | None = None
     device_memory_gib: float | None = None
@@ -122,6 +123,7 @@ def walk(task: Task) -> dict[float, float]:
         slo=task.slo or PAPER_SLOS[dataset_family(task.dataset) or ""],
         seed=task.seed,
         dtype=task.dtype,
+        tensor_parallel_size=task.tensor_parallel_size,
         max_model_len=task.max_model_len,
         num_gpu_blocks_override=task.num_gpu_blocks_override,
         device_memory_gib=task.device_memory_gib,
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--target", type=float, default=TARGET)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (CPU profiles)")
     parser.add_argument(
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = {
         "slo": custom_slo,
         "dtype": args.dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "max_model_len": args.max_model_len,
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
         "device_memory_gib": args.device_memory_gib,
