@@ -40,3 +40,14 @@ def test_user_errors_are_one_line(capsys):
     assert "sharegpt-like" in capsys.readouterr().err
     assert main([*args, "--policy", "bullet", "--dataset", "random"]) == 2
     assert "SLOs" in capsys.readouterr().err
+
+
+def test_simulate_a_tensor_parallel_model(capsys):
+    args = ["simulate", "--hardware", "a100-80g", "--model", "llama-3.1-70b", "--policy"]
+    args += ["chunked", "--dataset", "sharegpt-like", "--num-prompts", "20", "--request-rate", "4"]
+    assert main([*args, "--tensor-parallel-size", "8"]) == 0
+    assert "SLO attainment" in capsys.readouterr().out
+    assert main([*args, "--tensor-parallel-size", "3"]) == 2  # 64 heads do not split in 3
+    assert "does not divide" in capsys.readouterr().err
+    assert main([*args[:2], "h200", *args[3:], "-tp", "8"]) == 2
+    assert "no all-reduce times for 8 ranks" in capsys.readouterr().err

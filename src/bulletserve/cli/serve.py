@@ -49,6 +49,23 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
+    replicas = parser.add_argument_group("data-parallel replicas")
+    replicas.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="serve N replicas of the engine, each on its own device(s), behind this endpoint "
+        "(routed by load and prompt prefix); needs --distributed-executor-backend ray",
+    )
+    replicas.add_argument(
+        "--distributed-executor-backend",
+        choices=("ray",),
+        default=None,
+        help="where the replicas run: ray (`pip install bulletserve[ray]`), on the cluster "
+        "RAY_ADDRESS or --ray-address names, else on a Ray instance started on this machine",
+    )
+    replicas.add_argument("--ray-address", default=None, help="a Ray cluster to join")
     add_engine_args(parser)
     parser.set_defaults(run=run)
 
@@ -61,22 +78,36 @@ def _check(args: argparse.Namespace) -> None:
             raise CLIError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
         raise CLIError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.data_parallel_size < 1:
+        raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.distributed_executor_backend != "ray":
+        raise CLIError(
+            "--data-parallel-size runs its replicas on Ray: add --distributed-executor-backend ray"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     from bulletserve.engine.async_engine import AsyncEngine
+    from bulletserve.engine.client import EngineClient
     from bulletserve.model.gguf_reader import GGUFError
     from bulletserve.model.source import ModelNotFoundError
     from bulletserve.server.app import build_app
     from bulletserve.server.launch import make_server
 
     _check(args)
+    engine: EngineClient
     try:
-        engine = AsyncEngine(EngineConfig.from_args(args))
+        config = EngineConfig.from_args(args)
+        if args.data_parallel_size > 1:
+            from bulletserve.replicas.ray_replicas import RayReplicas
+
+            engine = RayReplicas(config, args.data_parallel_size, args.ray_address)
+        else:
+            engine = AsyncEngine(config)
     except (ModelNotFoundError, GGUFError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     settings = ServerSettings(
-        served_model_name=args.served_model_name or engine.engine.source.name,
+        served_model_name=args.served_model_name or engine.front.name,
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,

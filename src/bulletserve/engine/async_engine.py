@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from bulletserve.engine.client import EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import HANDOFF_WAIT_S, LLMEngine
 from bulletserve.engine.factory import create_engine
@@ -38,6 +39,8 @@ class _Stream:
 
 
 class AsyncEngine:
+    """An `EngineClient` over an engine in this process, on its own thread."""
+
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -72,6 +75,17 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
+
+    @property
+    def front(self) -> ModelFront:
+        return self.engine.front
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     @property
     def num_streams(self) -> int:

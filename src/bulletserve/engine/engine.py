@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from bulletserve.dist.parallel import TensorParallel
+from bulletserve.engine.client import EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import DecodeGraphs
 from bulletserve.engine.ranks import Ranks, build_device_side, rank_device, rank_threads
@@ -34,9 +35,9 @@ from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.executor.book import RequestBook
 from bulletserve.executor.clock import Clock, RealClock
 from bulletserve.model.decoder import DecoderLM
-from bulletserve.model.loader import load_config, resolve_dtype
+from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model
-from bulletserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, stop_token_ids
+from bulletserve.model.tokenizer import IncrementalDetokenizer, stop_token_ids
 from bulletserve.partition import TeamThread
 from bulletserve.sched.base import Policy
 
@@ -44,10 +45,6 @@ if TYPE_CHECKING:
     from bulletserve.sched.bullet import BulletPolicy
 
 logger = logging.getLogger(__name__)
-
-
-class PromptTooLongError(ValueError):
-    """The prompt does not leave room for a single output token within max_model_len."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,10 +87,9 @@ class LLMEngine:
                 "--dtype auto: float32, as this CPU has no native bf16 (AVX-512 bf16 or AMX)"
             )
         self.source = resolve_model(config.model, config.load_format)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.source)
-        self.max_model_len = (
-            config.max_model_len or load_config(self.source).max_position_embeddings
-        )
+        self.front = ModelFront.load(config)
+        self.tokenizer = self.front.tokenizer
+        self.max_model_len = self.front.max_model_len
         # Under --tensor-parallel-size N, the other ranks' processes (closed with the engine).
         self.ranks: Ranks | None = None
         tp = TensorParallel()
@@ -178,22 +174,11 @@ class LLMEngine:
     # ---- called from any thread -------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return self.front.tokenize(prompt)
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError naming the problem if these prompt tokens cannot be served."""
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens; --max-model-len is {self.max_model_len}, "
-                "which leaves no room for output"
-            )
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.front.check_prompt(token_ids)
 
     def add_request(
         self,
@@ -254,6 +239,23 @@ class LLMEngine:
     def lane_units(self) -> dict[str, tuple[int, float | None]]:
         """lane -> (units it has now, last relative prediction error); one lane: none."""
         return self.executor.lane_units()
+
+    def stats(self) -> EngineStats:
+        """The queues, the KV cache and the counters now (read without the engine's locks: a
+        snapshot for metrics and routing, not for scheduling)."""
+        allocator, book = self.pool.allocator, self.book
+        waiting = list(book.waiting)
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=len(waiting),
+            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            kv_blocks_used=allocator.num_used,
+            kv_blocks_total=allocator.num_blocks,
+            num_preemptions=book.num_preemptions,
+            prefix_cache_queries=book.prefix_queries,
+            prefix_cache_hits=book.prefix_hits,
+            lane_units=self.lane_units(),
+        )
 
     def close(self) -> None:
         """Stop the executor's background work, the other ranks, and close the step log."""

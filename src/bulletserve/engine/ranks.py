@@ -83,7 +83,11 @@ def build_device_side(
         device,
         config.enable_prefix_caching,
     )
-    return DeviceSide(model, pool, ModelRunner(model, pool, device))
+    runner = ModelRunner(model, pool, device)
+    # Every rank's steps must have the same rows (their all-reduces meet), and whether a CPU
+    # pads them follows the GEMM each rank's loader timed fastest: pad if any rank does.
+    runner.pad_rows = bool(tp.agree_max(int(runner.pad_rows)))
+    return DeviceSide(model, pool, runner)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -383,7 +383,7 @@ def warm_cpu_gemms(
     }
     dtype = model.embed_tokens.weight.dtype
     gemms = [(module, module.in_features, max_rows) for module in projections.values()]
-    gemms.append((model.lm_head_logits, model.config.hidden_size, min(max_rows, max_sampled_rows)))
+    gemms.append((model.lm_head_local, model.config.hidden_size, min(max_rows, max_sampled_rows)))
     previous = torch.get_num_threads()
     built = 0
     try:

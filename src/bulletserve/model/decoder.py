@@ -346,13 +346,16 @@ class DecoderLM(nn.Module):
         with `out`, in its memory (valid until its next use)."""
         return self.lm_head_logits(self.norm(hidden.index_select(0, rows)), out)
 
+    def lm_head_local(self, normed: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of the logits, in the model's dtype."""
+        if self.packed_linear is not None:
+            return self.packed_linear(normed, self.packed_lm_head, self.local_vocab_size)
+        return F.linear(normed, self.lm_head_weight)
+
     def lm_head_logits(self, normed: torch.Tensor, out: LogitsBuffer | None = None) -> torch.Tensor:
         """fp32 logits of final-normed hidden rows; with `out`, in its memory (with several
         ranks, rank 0's whole rows from every rank's columns, in new memory)."""
-        if self.packed_linear is not None:
-            logits = self.packed_linear(normed, self.packed_lm_head, self.local_vocab_size)
-        else:
-            logits = F.linear(normed, self.lm_head_weight)
+        logits = self.lm_head_local(normed)
         if self.tp.size > 1:
             return self.tp.gather_columns(logits.float(), self.config.vocab_size)
         if out is None or logits.dtype == torch.float32:

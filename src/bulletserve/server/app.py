@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import bulletserve
-from bulletserve.engine.async_engine import AsyncEngine
+from bulletserve.engine.client import EngineClient
 from bulletserve.server.chat import ChatServing
 from bulletserve.server.completions import CompletionServing
 from bulletserve.server.errors import error_response, install_error_handlers
@@ -28,22 +28,23 @@ from bulletserve.server.settings import ServerSettings
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500)}
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The API over a running AsyncEngine, which the caller owns (and shuts down)."""
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The API over a running engine (one in this process, or replicas), which the caller owns
+    (and shuts down)."""
     app = FastAPI(title="bulletserve", version=bulletserve.__version__)
     install_error_handlers(app)
     app.add_middleware(
         GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes
     )
-    metrics = ServerMetrics(engine.engine, settings.served_model_name)
+    metrics = ServerMetrics(engine, settings.served_model_name)
     serving = Serving(engine, settings, metrics)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)
     model_card = ModelCard(
         id=settings.served_model_name,
         created=now(),
-        root=engine.engine.source.name,
-        max_model_len=engine.engine.max_model_len,
+        root=engine.front.name,
+        max_model_len=engine.front.max_model_len,
     )
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)

@@ -34,7 +34,7 @@ class CompletionServing:
         if not isinstance(prompt, str):
             return list(prompt)
         self.serving.check_prompt_chars(len(prompt), "prompt")
-        return await self.serving.off_loop(len(prompt), self.serving.engine.tokenize, prompt)
+        return await self.serving.off_loop(len(prompt), self.serving.front.tokenize, prompt)
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         serving = self.serving

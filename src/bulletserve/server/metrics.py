@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.client import EngineClient
 from bulletserve.engine.request import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -27,62 +27,54 @@ _TPOT_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    """Gauges and counters that the engine already keeps."""
+    """Gauges and counters that the engine already keeps (`EngineClient.stats`)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        engine, labels = self.engine, [self.model_name]
-        allocator = engine.pool.allocator
+        stats, labels = self.engine.stats(), [self.model_name]
         families = [
             (
                 "bullet:num_requests_running",
                 "Requests admitted and not finished (both lanes under bullet).",
-                engine.num_running,
+                stats.num_running,
             ),
-            (
-                "bullet:num_requests_waiting",
-                "Requests waiting to be scheduled.",
-                len(engine.waiting),
-            ),
-            ("bullet:kv_cache_blocks_used", "KV-cache blocks in use.", allocator.num_used),
-            ("bullet:kv_cache_blocks_total", "KV-cache blocks in the pool.", allocator.num_blocks),
+            ("bullet:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("bullet:kv_cache_blocks_used", "KV-cache blocks in use.", stats.kv_blocks_used),
+            ("bullet:kv_cache_blocks_total", "KV-cache blocks in the pool.", stats.kv_blocks_total),
             (
                 "bullet:kv_cache_usage_perc",
                 "Fraction of KV-cache blocks in use (0 to 1).",
-                allocator.num_used / max(1, allocator.num_blocks),
+                stats.kv_blocks_used / max(1, stats.kv_blocks_total),
             ),
         ]
         for name, documentation, value in families:
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
-        preemptions = CounterMetricFamily(
-            "bullet:num_preemptions", "Requests preempted (KV blocks freed, to recompute).",
-            labels=["model_name"],
-        )  # fmt: skip
-        preemptions.add_metric(labels, engine.num_preemptions)
-        yield preemptions
-        book = engine.book
         for name, documentation, value in (
+            (
+                "bullet:num_preemptions",
+                "Requests preempted (KV blocks freed, to recompute).",
+                stats.num_preemptions,
+            ),
             (
                 "bullet:prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache (at first admission).",
-                book.prefix_queries,
+                stats.prefix_cache_queries,
             ),
             (
                 "bullet:prefix_cache_hits",
                 "Prompt tokens found in the prefix cache (at first admission).",
-                book.prefix_hits,
+                stats.prefix_cache_hits,
             ),
         ):
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
-        lanes = engine.lane_units()
-        if lanes:
+        if stats.lane_units:
             units = GaugeMetricFamily(
                 "bullet:lane_units", "Compute units (SMs or CPU threads) each lane has now.",
                 labels=["model_name", "lane"],
@@ -92,7 +84,7 @@ class _EngineCollector(Collector):
                 "|predicted / measured - 1| of each lane's last step.",
                 labels=["model_name", "lane"],
             )
-            for lane, (count, last_error) in lanes.items():
+            for lane, (count, last_error) in stats.lane_units.items():
                 units.add_metric([self.model_name, lane], count)
                 if last_error is not None:
                     error.add_metric([self.model_name, lane], last_error)
@@ -131,7 +123,7 @@ class _VLLMAliases(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineCollector(engine, model_name))

@@ -12,7 +12,8 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from bulletserve.engine.async_engine import AsyncEngine, EngineDeadError, StreamEndedError
+from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
+from bulletserve.engine.client import EngineClient
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.server.errors import APIError, error_body
@@ -46,10 +47,10 @@ def usage(output: RequestOutput) -> Usage:
 class Serving:
     """Turns a validated request into engine work and engine outputs into a request's life."""
 
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics):
-        self.async_engine = engine
-        self.engine = engine.engine
-        self.tokenizer = engine.engine.tokenizer
+    def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics):
+        self.client = engine
+        self.front = engine.front
+        self.tokenizer = engine.front.tokenizer
         self.settings = settings
         self.metrics = metrics
         # Requests admitted and not yet ended: counted at admission, with no await between the
@@ -60,7 +61,7 @@ class Serving:
         # character; others spell each character as one): a prompt of more characters than
         # this bound allows cannot fit the context, whatever it tokenizes into.
         longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = self.engine.max_model_len * max(longest_token, 1)
+        self.max_prompt_chars = self.front.max_model_len * max(longest_token, 1)
 
     @property
     def model_name(self) -> str:
@@ -74,13 +75,13 @@ class Serving:
             raise APIError(404, f"the model `{body.model}` does not exist", "model")
         if body.n != 1:
             raise APIError(400, f"only n=1 is supported, got n={body.n}", "n")
-        if not self.async_engine.healthy:
-            raise APIError(500, f"the engine has failed: {self.async_engine.error!r}")
+        if not self.client.healthy:
+            raise APIError(500, f"the engine has failed: {self.client.error!r}")
         limit = self.settings.max_waiting_requests
         with self._admitted_lock:
             # Admitted requests the engine is not running: waiting in its queue, or on their
             # way to it (tokenizing, or their stream not started yet).
-            waiting = self._num_admitted - self.engine.num_running
+            waiting = self._num_admitted - self.client.num_running
             if waiting >= limit:
                 raise APIError(
                     429,
@@ -102,7 +103,7 @@ class Serving:
             raise APIError(
                 400,
                 f"the prompt has {chars} characters, more than --max-model-len "
-                f"({self.engine.max_model_len}) tokens of this tokenizer can hold",
+                f"({self.front.max_model_len}) tokens of this tokenizer can hold",
                 param,
             )
 
@@ -122,14 +123,14 @@ class Serving:
     ) -> SamplingParams:
         """Check the prompt against the context and build the engine's settings (400 on error)."""
         try:
-            self.engine.check_prompt(prompt_ids)
+            self.front.check_prompt(prompt_ids)
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
-        room = self.engine.max_model_len - len(prompt_ids)
+        room = self.front.max_model_len - len(prompt_ids)
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,
-                f"this model's maximum context length is {self.engine.max_model_len} tokens, but "
+                f"this model's maximum context length is {self.front.max_model_len} tokens, but "
                 f"{len(prompt_ids) + max_tokens} were requested ({len(prompt_ids)} in the prompt "
                 f"and {max_tokens} for the completion): lower max_tokens or shorten the prompt",
                 "max_tokens",
@@ -164,7 +165,7 @@ class Serving:
     ) -> AsyncIterator[RequestOutput]:
         last: RequestOutput | None = None
         try:
-            async for output in self.async_engine.generate(prompt_ids, params, request_id):
+            async for output in self.client.generate(prompt_ids, params, request_id):
                 last = output
                 yield output
         finally:

@@ -1,0 +1,99 @@
+"""Two data-parallel replicas on a local Ray instance behind one server: requests spread over
+both, a shared prefix stays on one, streaming works through the router, and the death of one
+replica is survived by the other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from bulletserve.engine.config import EngineConfig
+from tests.server.harness import need_tokenizer, running_app, wait_until
+
+ray = pytest.importorskip("ray")
+
+from bulletserve.replicas.ray_replicas import RayReplicas  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    need_tokenizer()
+    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False)
+    config = EngineConfig(
+        model="tiny", load_format="dummy", dtype="float32", kv_cache_memory="64MiB",
+        max_model_len=512,
+    )  # fmt: skip
+    engines = RayReplicas(config, 2)
+    try:
+        yield engines
+    finally:
+        engines.shutdown()
+        ray.shutdown()
+
+
+def replica_stats(replicas: RayReplicas) -> list:
+    return ray.get([r.actor.stats.remote() for r in replicas._replicas], timeout=30)
+
+
+def completion(prompt: list[int], max_tokens: int = 4, stream: bool = False) -> dict:
+    return {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": stream,
+    }  # fmt: skip
+
+
+def test_requests_spread_over_both_replicas(replicas):
+    before = [s.prefix_cache_queries for s in replica_stats(replicas)]
+
+    async def send_all(url: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bodies = [completion([100 + i] * 40, max_tokens=8) for i in range(8)]
+            responses = await asyncio.gather(
+                *(client.post("/v1/completions", json=b) for b in bodies)
+            )
+            return [r.status_code for r in responses]
+
+    with running_app(replicas) as url:
+        assert asyncio.run(send_all(url)) == [200] * 8
+    after = [s.prefix_cache_queries for s in replica_stats(replicas)]
+    looked_up = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(tokens >= 40 for tokens in looked_up), looked_up  # each replica served some
+    assert sum(looked_up) == 8 * 40
+
+
+def test_a_shared_prefix_stays_on_one_replica(replicas):
+    before = [s.prefix_cache_hits for s in replica_stats(replicas)]
+    system = list(range(2000, 2128))
+    with running_app(replicas) as url, httpx.Client(base_url=url, timeout=60) as client:
+        for question in range(4):
+            body = completion(system + [3000 + question] * 5)
+            assert client.post("/v1/completions", json=body).status_code == 200
+    hits = [s.prefix_cache_hits - b for s, b in zip(replica_stats(replicas), before, strict=True)]
+    # The three requests after the first found the 128-token prefix cached where it was sent.
+    assert sorted(hits) == [0, 3 * 128]
+
+
+def test_streaming_through_the_router(replicas):
+    with running_app(replicas) as url, httpx.Client(base_url=url, timeout=60) as client:
+        body = completion([7] * 20, max_tokens=6, stream=True)
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert len(lines) >= 3
+        metrics = client.get("/metrics").text
+        assert "bullet:kv_cache_blocks_total" in metrics
+
+
+def test_the_death_of_one_replica_is_survived_by_the_other(replicas):
+    replicas.kill_replica(0)
+    with running_app(replicas) as url, httpx.Client(base_url=url, timeout=60) as client:
+        for i in range(4):  # some routed to the dead one before its death is known: re-sent
+            body = completion([500 + i] * 30)
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+        assert client.get("/health").status_code == 200
+    assert wait_until(lambda: not replicas.loads()[0].healthy, timeout_s=10)
+    assert replicas.loads()[1].healthy
