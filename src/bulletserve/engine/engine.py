@@ -99,12 +99,22 @@ class LLMEngine:
             self.ranks = Ranks.start(config, self.device)
             tp = self.ranks.tp
         try:
-            side = build_device_side(
-                config, rank_device(self.device, 0), self.dtype, self.max_model_len, tp, model
-            )
+            self._set_up(config, tp, model, team)
         except BaseException:
             self._close_ranks()
             raise
+
+    def _set_up(
+        self,
+        config: EngineConfig,
+        tp: TensorParallel,
+        model: DecoderLM | None,
+        team: TeamThread | None,
+    ) -> None:
+        """The device side (this rank's), the request book and the executor."""
+        side = build_device_side(
+            config, rank_device(self.device, 0), self.dtype, self.max_model_len, tp, model
+        )
         self.model, self.pool, self.runner = side.model, side.pool, side.runner
         self.model_config = self.model.config
         if self.pool.num_blocks * config.block_size < self.max_model_len:
