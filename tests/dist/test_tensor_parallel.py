@@ -107,7 +107,7 @@ def test_two_ranks_generate_what_one_rank_does(tiny_llama_dir, policy, extra):
             outputs[size] = [out.token_ids for out in llm.generate(prompts, params)]
             assert llm.engine.pool.allocator.num_used == 0
         finally:
-            llm.engine.close()
+            llm.close()
     assert outputs[2] == outputs[1]
 
 
@@ -123,7 +123,7 @@ def test_a_dead_rank_fails_requests_with_a_clear_error(tiny_llama_dir, policy):
         with pytest.raises((RankFailedError, RuntimeError), match="rank 1 exited with code -9"):
             llm.generate(random_prompts(2, seed=2), params)
     finally:
-        llm.engine.close()
+        llm.close()
 
 
 def test_the_server_streams_from_two_ranks_and_reports_a_dead_one(tiny_llama_dir):
@@ -163,7 +163,7 @@ def test_two_ranks_serve_bf16_with_their_cpu_gemms_built_at_start(tiny_llama_dir
         assert [len(out.token_ids) for out in outputs] == [6] * 40
         assert llm.engine.pool.allocator.num_used == 0
     finally:
-        llm.engine.close()
+        llm.close()
 
 
 def test_an_engine_that_fails_to_start_stops_its_other_ranks(tiny_llama_dir):

@@ -87,6 +87,12 @@ def test_streaming_through_the_router(replicas):
         assert "bullet:kv_cache_blocks_total" in metrics
 
 
+def test_replicas_the_cluster_cannot_hold_are_refused_at_once(replicas):
+    config = EngineConfig(model="tiny", load_format="dummy", num_threads=1, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="2 replicas of 2 CPUs each need 4 CPUs"):
+        RayReplicas(config, 2)
+
+
 def test_the_death_of_one_replica_is_survived_by_the_other(replicas):
     replicas.kill_replica(0)
     with running_app(replicas) as url, httpx.Client(base_url=url, timeout=60) as client:

@@ -73,3 +73,14 @@ class LLM:
             messages, tokenize=False, add_generation_prompt=True
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def close(self) -> None:
+        """Stop the engine's background work and its other tensor-parallel ranks (they also
+        end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

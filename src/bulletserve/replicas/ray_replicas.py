@@ -46,6 +46,19 @@ def _ray() -> Any:
     return ray
 
 
+def _check_resources(cluster: dict[str, float], replica: dict[str, float], size: int) -> None:
+    """Fail now, naming the shortfall, where the cluster cannot hold every replica (Ray would
+    wait for resources that never come)."""
+    for name, resource in (("num_gpus", "GPU"), ("num_cpus", "CPU")):
+        needed = replica.get(name, 0) * size
+        if needed > cluster.get(resource, 0):
+            raise ValueError(
+                f"{size} replicas of {replica[name]:g} {resource}s each need {needed:g} "
+                f"{resource}s; the Ray cluster has {cluster.get(resource, 0):g} (lower "
+                "--data-parallel-size, --tensor-parallel-size or --num-threads)"
+            )
+
+
 class ReplicaActor:
     """One replica (a Ray actor): an AsyncEngine in the actor's process."""
 
@@ -107,6 +120,7 @@ class RayReplicas:
             threads = config.num_threads or max(1, usable_cores() // size)
             config = dataclasses.replace(config, device="cpu", num_threads=threads)
             resources = {"num_cpus": threads * config.tensor_parallel_size}
+        _check_resources(ray.cluster_resources(), resources, size)
         actor_class = ray.remote(ReplicaActor)
         self._replicas = [
             _Replica(actor_class.options(max_restarts=0, **resources).remote(config))
