@@ -3,6 +3,10 @@ one rank's, streaming through the server, and a dead rank failing requests with 
 
 from __future__ import annotations
 
+import shutil
+import sys
+import time
+
 import httpx
 import psutil
 import pytest
@@ -175,3 +179,11 @@ def test_an_engine_that_fails_to_start_stops_its_other_ranks(tiny_llama_dir):
         if "bulletserve.engine.ranks" in " ".join(child.cmdline())
     ]
     assert ranks == []
+
+
+def test_a_rank_that_cannot_start_fails_the_engine_at_once(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))  # every other rank exits 1
+    started = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 exited with code 1 before joining"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TP_ARGS)
+    assert time.monotonic() - started < 30

@@ -138,7 +138,7 @@ class Ranks:
             for rank in range(1, size)
         }
         try:
-            tp = TensorParallel.join(0, size, init_method, backend, COLLECTIVE_TIMEOUT_S)
+            tp = _join_watching(processes, size, init_method, backend)
         except BaseException:
             _end(processes)
             raise
@@ -162,6 +162,35 @@ class Ranks:
                 break
         _end(self.processes)
         self.tp.close()
+
+
+def _join_watching(
+    processes: dict[int, subprocess.Popen], size: int, init_method: str, backend: str
+) -> TensorParallel:
+    """Join the group as rank 0, failing at once if another rank exits before it joined
+    (joining would otherwise wait out the collective timeout)."""
+    joined: list[TensorParallel] = []
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            joined.append(TensorParallel.join(0, size, init_method, backend, COLLECTIVE_TIMEOUT_S))
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=join, name="rank-0-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        dead = {rank: p.returncode for rank, p in processes.items() if p.poll() is not None}
+        if dead and thread.is_alive():
+            raise RankFailedError(
+                ", ".join(f"rank {r} exited with code {code}" for r, code in dead.items())
+                + " before joining the group (its output above says why)"
+            )
+    if failed:
+        raise failed[0]
+    return joined[0]
 
 
 def _end(processes: dict[int, subprocess.Popen]) -> None:
