@@ -15,6 +15,7 @@ from bulletserve.engine.sampler import (
     _inverse_cdf,
 )
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.model.cpu_kernels import sampling_kernel
 
 
 def test_draws_follow_the_distribution():
@@ -107,3 +108,53 @@ def test_random_rows_sample_from_their_filtered_distribution():
         for row, token in enumerate(tokens):
             seen[row].add(token)
     assert seen == [{1}, {1, 2}, {0}]
+
+
+kernel = sampling_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler for our CPU kernels")
+
+
+@needs_kernel
+def test_the_kernels_draws_follow_the_tempered_distribution():
+    logits = torch.tensor([1.0, -2.0, 0.5, 2.0, -float(30)])
+    n, temperature = 40_000, 0.7
+    uniforms = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    inverse = torch.full((n,), 1 / temperature)
+    picks = kernel(logits.expand(n, -1).contiguous(), inverse, uniforms)
+    freq = torch.bincount(picks, minlength=5).double() / n
+    assert torch.allclose(freq, (logits.double() / temperature).softmax(-1), atol=0.01)
+
+
+@needs_kernel
+def test_the_kernel_draws_as_the_pytorch_path_across_blocks():
+    vocab = 3 * CDF_BLOCK + 101
+    logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(4)) * 4
+    uniforms = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    uniforms[:2] = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    weights = (logits - logits.max(-1, keepdim=True).values).exp()
+    expected = _inverse_cdf(weights, uniforms.unsqueeze(1))
+    drawn = kernel(logits, torch.ones(64), uniforms)
+    # The same draw but where exp's last bits put a uniform on the other side of a boundary.
+    assert (drawn == expected).float().mean() > 0.95
+    assert drawn[:2].tolist() == expected[:2].tolist()
+    assert drawn.min() >= 0 and drawn.max() < vocab
+
+
+@needs_kernel
+def test_the_kernels_argmax_takes_the_first_of_ties_and_refuses_non_finite_rows():
+    logits = torch.tensor([[0.0, 5.0, 5.0, 1.0], [3.0, 0.0, 3.0, 0.0]])
+    bad = torch.tensor([[0.0, float("nan"), 1.0, 0.0], [0.0, float("-inf"), 1.0, 0.0]])
+    rows = torch.cat([logits, bad])
+    tokens = kernel(rows, torch.tensor([0.0, 0.0, 0.0, 1.0]), torch.full((4,), 0.5))
+    assert tokens.tolist() == [1, 0, -1, -1]
+
+
+@needs_kernel
+def test_the_sampler_takes_masked_rows_through_pytorch_beside_the_kernels():
+    """A request below min_tokens has its stop ids at -inf: the kernel refuses the row, and
+    PyTorch's path draws it with the same uniform; the other rows stay on the kernel."""
+    logits = torch.tensor([[0.0, 9.0, 0.0, 0.0], [0.0, 9.0, 0.0, 0.0]])
+    held = _request(temperature=0, min_tokens=1)
+    free = _request(temperature=0)
+    tokens, _ = Sampler(seed=0).sample(logits, [held, free], [frozenset({1})] * 2)
+    assert tokens[0] != 1 and tokens[1] == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from bulletserve.engine.request import Request, TokenLogprob
+from bulletserve.model.cpu_kernels import sampling_kernel
 
 # The inverse-CDF draw sums the vocabulary in blocks of this many entries, then walks one block.
 CDF_BLOCK = 1024
@@ -22,6 +23,9 @@ NUCLEUS_CANDIDATES = 1024
 class Sampler:
     def __init__(self, seed: int) -> None:
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        # On a CPU, rows at a temperature without top-k or top-p (and greedy rows) go through
+        # our C kernel: two passes over a row where PyTorch's ops take five (None: off).
+        self._kernel = sampling_kernel()
 
     def new_request_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device="cpu").manual_seed(seed)
@@ -39,35 +43,67 @@ class Sampler:
             for row, (request, ids) in enumerate(zip(requests, stop_ids, strict=True))
             if len(request.output_token_ids) < request.params.min_tokens and ids
         ]
+        on_kernel = self._kernel is not None and logits.device.type == "cpu"
         plain = all(r.params.greedy and r.params.logprobs is None for r in requests)
-        if plain and not masked:
+        if plain and not masked and not on_kernel:
             return logits.argmax(dim=-1).tolist(), [None] * len(requests)
         logits = logits.float()
         if masked:
             logits = logits.clone()  # the caller's logits (a CUDA graph's output) stay intact
             for row, ids in masked:
                 logits[row, list(ids)] = float("-inf")
-        maxima, tokens = logits.max(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if random_rows:
-            chosen = [requests[i] for i in random_rows]
-            if len(random_rows) == len(requests):
-                rows = slice(None)  # every row: no copy of the [N, vocab] logits
-            else:
-                rows = torch.tensor(random_rows, device=logits.device)
-            weights = _filtered_weights(logits[rows], maxima[rows], chosen)
-            # Inverse-CDF draw: one uniform per row, from the request's own generator when it
-            # is seeded, so its samples do not depend on its neighbours. (Noise over the whole
-            # vocabulary per row, as an exponential race needs, cost 1.5 ms a row on a CPU.)
-            uniforms = torch.empty(len(random_rows), 1, dtype=torch.float64)
-            for k, request in enumerate(chosen):
-                uniforms[k].uniform_(generator=request.generator or self._generator)
-            drawn = _inverse_cdf(weights, uniforms.to(logits.device))
-            # A row whose largest logit is not finite (NaN, or everything masked) has no
-            # distribution to draw from: it keeps its argmax.
-            tokens[rows] = torch.where(torch.isfinite(maxima[rows]), drawn, tokens[rows])
+        # One uniform per random row, from the request's own generator when it is seeded, so its
+        # samples do not depend on its neighbours. (Noise over the whole vocabulary per row, as
+        # an exponential race needs, cost 1.5 ms a row on a CPU.)
+        uniforms = torch.zeros(len(requests), dtype=torch.float64)
+        for row, request in enumerate(requests):
+            if not request.params.greedy:
+                uniforms[row : row + 1].uniform_(generator=request.generator or self._generator)
+        vocab = logits.shape[-1]
+        if on_kernel and not any(_filters(r, vocab) for r in requests):
+            assert self._kernel is not None
+            inverse = [0.0 if r.params.greedy else 1 / _temperature(r) for r in requests]
+            tokens = self._kernel(logits.contiguous(), torch.tensor(inverse), uniforms)
+            # Rows with a non-finite logit (a masked stop token's -inf): PyTorch's path.
+            redo = (tokens < 0).nonzero().flatten().tolist()
+            if redo:
+                tokens[redo] = _drawn(logits[redo], [requests[i] for i in redo], uniforms[redo])
+        else:
+            tokens = _drawn(logits, requests, uniforms.to(logits.device))
         token_list = tokens.tolist()
         return token_list, _logprobs(logits, requests, tokens, token_list)
+
+
+def _filters(request: Request, vocab: int) -> bool:
+    """Whether a request's draw is cut to a top-k or a top-p nucleus."""
+    params = request.params
+    return not params.greedy and (0 < params.top_k < vocab or params.top_p < 1)
+
+
+def _temperature(request: Request) -> float:
+    # A temperature below float32's smallest normal number would be 0, and the maximum's 0/0 a
+    # NaN; held at it, every other weight is 0 and the draw is the argmax, the limit as the
+    # temperature goes to 0.
+    return max(request.params.temperature, torch.finfo(torch.float32).tiny)
+
+
+def _drawn(logits: torch.Tensor, requests: list[Request], uniforms: torch.Tensor) -> torch.Tensor:
+    """The argmax of greedy rows and the inverse-CDF draw of the others at `uniforms` (one per
+    row), through PyTorch's ops."""
+    maxima, tokens = logits.max(dim=-1)
+    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if random_rows:
+        chosen = [requests[i] for i in random_rows]
+        if len(random_rows) == len(requests):
+            rows = slice(None)  # every row: no copy of the [N, vocab] logits
+        else:
+            rows = torch.tensor(random_rows, device=logits.device)
+        weights = _filtered_weights(logits[rows], maxima[rows], chosen)
+        drawn = _inverse_cdf(weights, uniforms[rows].unsqueeze(1))
+        # A row whose largest logit is not finite (NaN, or everything masked) has no
+        # distribution to draw from: it keeps its argmax.
+        tokens[rows] = torch.where(torch.isfinite(maxima[rows]), drawn, tokens[rows])
+    return tokens
 
 
 def _filtered_weights(
@@ -77,13 +113,7 @@ def _filtered_weights(
     nucleus: unnormalized probabilities whose largest entry is 1. Subtracting the maximum first
     keeps every entry within [0, 1] however small the temperature."""
     device = logits.device
-    # A temperature below float32's smallest normal number would be 0, and the maximum's 0/0 a
-    # NaN; held at it, every other weight is 0 and the draw is the argmax, the limit as the
-    # temperature goes to 0.
-    smallest = torch.finfo(torch.float32).tiny
-    temperature = torch.tensor(
-        [max(r.params.temperature, smallest) for r in requests], device=device
-    )
+    temperature = torch.tensor([_temperature(r) for r in requests], device=device)
     weights = (logits - maxima.unsqueeze(1)).div_(temperature.unsqueeze(1)).exp_()
     vocab = weights.shape[-1]
     top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in requests]

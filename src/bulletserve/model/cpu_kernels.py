@@ -577,3 +577,47 @@ def fused_ops(dtype: torch.dtype, device: torch.device) -> FusedOps | None:
         return None
     library = _library("cpu_ops")
     return None if library is None else FusedOps(library, dtype)
+
+
+@dataclass(frozen=True)
+class SamplingKernel:
+    """A token per row of fp32 logits at a temperature (0: the argmax), without top-k or top-p
+    (`csrc/sampling.c`)."""
+
+    function: ctypes._CFuncPtr
+
+    def __call__(
+        self, logits: torch.Tensor, inv_temperatures: torch.Tensor, uniforms: torch.Tensor
+    ) -> torch.Tensor:
+        """int64 [rows]: each row's token, or -1 for a row with a non-finite logit.
+        logits: fp32 [rows, vocab]; inv_temperatures: fp32 [rows] (0 for the argmax);
+        uniforms: float64 [rows] in [0, 1]."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+            raise ValueError("logits must be contiguous fp32 [rows, vocab]")
+        rows, vocab = logits.shape
+        inv_temperatures = inv_temperatures.to(torch.float32).contiguous()
+        uniforms = uniforms.to(torch.float64).contiguous()
+        if inv_temperatures.shape != (rows,) or uniforms.shape != (rows,):
+            raise ValueError("one temperature and one uniform per row")
+        tokens = torch.empty(rows, dtype=torch.int64)
+        self.function(
+            logits.data_ptr(),
+            rows,
+            vocab,
+            inv_temperatures.data_ptr(),
+            uniforms.data_ptr(),
+            tokens.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return tokens
+
+
+def sampling_kernel() -> SamplingKernel | None:
+    """The compiled sampling kernel, or None where our CPU kernels are off or cannot build."""
+    if not kernels_enabled(torch.float32, torch.device("cpu")):
+        return None
+    library = _library("sampling")
+    if library is None:
+        return None
+    argtypes = [_ptr, _long, _long, _ptr, _ptr, _ptr, _int]
+    return SamplingKernel(_function(library, "sample_rows_f32", argtypes))
