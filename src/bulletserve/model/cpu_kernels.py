@@ -8,6 +8,8 @@
 - `csrc/prefill_attention.c`: prefill attention (whole prompts and later chunks after cached
   ones) reading the paged cache in place, flash-style.
 - `csrc/blocked_linear.c`: an fp32 GEMM over weights packed at load in blocks of 16 columns.
+- `csrc/sampling.c`: the sampler's draw (or argmax) of fp32 logit rows at a temperature without
+  top-k or top-p, in two passes over each row where PyTorch's ops take five.
 - `PackedLinearKernel` is no C of ours: the projections through oneDNN with weights reordered
   once at load. The loader times it and the blocked GEMM against PyTorch's own GEMM at a decode
   step's rows and a prefill's, and keeps the fastest (`packed_linear_kernel`).
