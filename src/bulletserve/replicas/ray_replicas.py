@@ -108,36 +108,43 @@ class RayReplicas:
         self._ray = ray
         self.front = ModelFront.load(config)
         self.router = router or Router(affinity=config.enable_prefix_caching)
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init(address=address, log_to_driver=False)
-        on_gpu = config.device == "cuda" or (
-            config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
-        )
-        if on_gpu:
-            resources = {"num_gpus": config.tensor_parallel_size, "num_cpus": 1}
-        else:
-            threads = config.num_threads or max(1, usable_cores() // size)
-            config = dataclasses.replace(config, device="cpu", num_threads=threads)
-            resources = {"num_cpus": threads * config.tensor_parallel_size}
-        _check_resources(ray.cluster_resources(), resources, size)
-        actor_class = ray.remote(ReplicaActor)
-        self._replicas = [
-            _Replica(actor_class.options(max_restarts=0, **resources).remote(config))
-            for _ in range(size)
-        ]
+        self._replicas: list[_Replica] = []
         self._lock = threading.Lock()
         self._streams: dict[str, Any] = {}  # request id -> its streaming generator
         self._ended: dict[str, str] = {}  # request id -> why the server ended its stream
         self._stop = threading.Event()
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=address, log_to_driver=False)
         try:
-            ray.get([r.actor.ready.remote() for r in self._replicas], timeout=START_TIMEOUT_S)
+            self._start(config, size)
         except BaseException:
             self.shutdown()
             raise
         logger.info("%d replicas on Ray", size)
         self._poller = threading.Thread(target=self._poll, name="replica-stats", daemon=True)
         self._poller.start()
+
+    def _start(self, config: EngineConfig, size: int) -> None:
+        """Create the replicas' actors, each with its devices, and wait until they serve."""
+        ray = self._ray
+        on_gpu = config.device == "cuda" or (
+            config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+        )
+        if on_gpu:
+            resources = {"num_gpus": config.tensor_parallel_size, "num_cpus": 1}
+        else:
+            ranks = config.tensor_parallel_size
+            threads = config.num_threads or max(1, usable_cores() // (size * ranks))
+            config = dataclasses.replace(config, device="cpu", num_threads=threads)
+            resources = {"num_cpus": threads * ranks}
+        _check_resources(ray.cluster_resources(), resources, size)
+        actor_class = ray.remote(ReplicaActor)
+        self._replicas = [
+            _Replica(actor_class.options(max_restarts=0, **resources).remote(config))
+            for _ in range(size)
+        ]
+        ray.get([r.actor.ready.remote() for r in self._replicas], timeout=START_TIMEOUT_S)
 
     # ---- EngineClient ---------------------------------------------------------------------
 
