@@ -103,9 +103,15 @@ class TensorParallel:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
+    def on(self, channel: Channel) -> contextlib.AbstractContextManager[None]:
+        """The model's collectives in the body (on the calling thread) go over `channel` (with
+        one rank there are none: nothing to set on every step)."""
+        if self.size == 1:
+            return contextlib.nullcontext()
+        return self._on(channel)
+
     @contextlib.contextmanager
-    def on(self, channel: Channel) -> Iterator[None]:
-        """The model's collectives in the body (on the calling thread) go over `channel`."""
+    def _on(self, channel: Channel) -> Iterator[None]:
         previous = getattr(self._local, "channel", None)
         self._local.channel = channel
         try:

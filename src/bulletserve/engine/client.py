@@ -18,7 +18,7 @@ from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.model.loader import load_config
-from bulletserve.model.source import resolve_model
+from bulletserve.model.source import ModelSource, resolve_model
 from bulletserve.model.tokenizer import load_tokenizer
 
 
@@ -36,9 +36,9 @@ class ModelFront:
     vocab_size: int
 
     @classmethod
-    def load(cls, config: EngineConfig) -> ModelFront:
-        """Everything but the weights (which `--model` names)."""
-        source = resolve_model(config.model, config.load_format)
+    def load(cls, config: EngineConfig, source: ModelSource | None = None) -> ModelFront:
+        """Everything but the weights of the model `--model` names (`source`, if resolved)."""
+        source = source or resolve_model(config.model, config.load_format)
         model_config = load_config(source)
         return cls(
             source.name,

@@ -87,7 +87,7 @@ class LLMEngine:
                 "--dtype auto: float32, as this CPU has no native bf16 (AVX-512 bf16 or AMX)"
             )
         self.source = resolve_model(config.model, config.load_format)
-        self.front = ModelFront.load(config)
+        self.front = ModelFront.load(config, self.source)
         self.tokenizer = self.front.tokenizer
         self.max_model_len = self.front.max_model_len
         # Under --tensor-parallel-size N, the other ranks' processes (closed with the engine).
@@ -113,7 +113,13 @@ class LLMEngine:
     ) -> None:
         """The device side (this rank's), the request book and the executor."""
         side = build_device_side(
-            config, rank_device(self.device, 0), self.dtype, self.max_model_len, tp, model
+            config,
+            self.source,
+            rank_device(self.device, 0),
+            self.dtype,
+            self.max_model_len,
+            tp,
+            model,
         )
         self.model, self.pool, self.runner = side.model, side.pool, side.runner
         self.model_config = self.model.config

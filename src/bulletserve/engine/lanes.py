@@ -300,12 +300,14 @@ class Lanes:
             return Placement(step.split.prefill, rest=True)
         return Placement(step.units)
 
-    def _on_units(self, step: LaneStep[Request], work: Callable[[], T]) -> tuple[T, float]:
-        """Run `work()` on the step's units (claimed in the core under the state lock when the
-        step started), and release them when it ends; its result and the step's seconds."""
+    def _on_units(self, step: LaneStep[Request], work: Callable[[Placement], T]) -> tuple[T, float]:
+        """Run `work(placement)` on the step's units (claimed in the core under the state lock
+        when the step started), and release them when it ends; its result and the step's
+        seconds. The placement goes to the runner, which tells the other ranks where to run."""
         placement = self._placement(step)
         assert placement.units is not None
-        run = partial(self.units.run, placement.units, work, rest=placement.rest)
+        step_work = partial(work, placement)
+        run = partial(self.units.run, placement.units, step_work, rest=placement.rest)
         try:
             return self.clock.run_step(step, run)
         finally:
@@ -382,7 +384,7 @@ class Lanes:
         return works + [_decode_work(r) for r in step.fused]
 
     def _prefill_step(
-        self, device_pass: PrefillPass, step: LaneStep[Request]
+        self, device_pass: PrefillPass, step: LaneStep[Request], placement: Placement
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """The layer group's hidden states, the logits when it was the last group and a row
         samples, and the seconds the model took (on the thread that ran it, without the
@@ -390,7 +392,7 @@ class Lanes:
         start = time.perf_counter()
         first, last = step.layers
         hidden, logits = self.runner.run_layers(
-            device_pass, first, last, self._logits["prefill"], self._placement(step)
+            device_pass, first, last, self._logits["prefill"], placement
         )
         self.units.synchronize()  # the step's device time, not its launch time
         return hidden, logits, time.perf_counter() - start
@@ -456,7 +458,7 @@ class Lanes:
                 step = core.start_decode(plan)
                 works = [_decode_work(r) for r in step.requests]
             (sampled, runner_s), measured = self._on_units(
-                step, partial(self._decode_step, works, step.requests, self._placement(step))
+                step, partial(self._decode_step, works, step.requests)
             )
             with self._state:
                 core.end_step("decode")

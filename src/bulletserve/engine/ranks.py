@@ -35,7 +35,7 @@ from bulletserve.engine.runner import (
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import load_config, load_model, resolve_dtype
-from bulletserve.model.source import resolve_model
+from bulletserve.model.source import ModelSource, resolve_model
 from bulletserve.partition import Units, lane_units, usable_cores
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class DeviceSide:
 
 def build_device_side(
     config: EngineConfig,
+    source: ModelSource,
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
@@ -65,7 +66,6 @@ def build_device_side(
 ) -> DeviceSide:
     """The model (this rank's shard, loaded unless given), a KV pool of the blocks every rank's
     memory holds (its KV heads), and the runner over them."""
-    source = resolve_model(config.model, config.load_format)
     model = model or load_model(source, dtype, device, max_model_len, seed=config.seed, tp=tp)
     blocks = KVPool.num_blocks_for(
         model.shard_config,
@@ -222,7 +222,7 @@ def _follow(
     dtype = resolve_dtype(config.dtype, device)
     source = resolve_model(config.model, config.load_format)
     max_model_len = config.max_model_len or load_config(source).max_position_embeddings
-    side = build_device_side(config, device, dtype, max_model_len, tp)
+    side = build_device_side(config, source, device, dtype, max_model_len, tp)
     units = lane_units(device, rank_threads(config)) if config.policy == "bullet" else None
     failures: list[BaseException] = []
     threads = [

@@ -63,23 +63,6 @@ class KVPool:
         return int(memory_bytes // bytes_per_block)
 
     @classmethod
-    def sized(
-        cls,
-        config: ModelConfig,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        kv_cache_memory: str | None,
-        max_tokens_needed: int,
-        prefix_caching: bool = False,
-    ) -> KVPool:
-        """A pool of `num_blocks_for` blocks."""
-        num_blocks = cls.num_blocks_for(
-            config, block_size, dtype, device, kv_cache_memory, max_tokens_needed
-        )
-        return cls(config, num_blocks, block_size, dtype, device, prefix_caching)
-
-    @classmethod
     def num_blocks_for(
         cls,
         config: ModelConfig,
