@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
@@ -17,9 +18,10 @@ from transformers import PreTrainedTokenizerBase
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.structured import GrammarCompiler, GrammarState
 from bulletserve.model.loader import load_config
 from bulletserve.model.source import ModelSource, resolve_model
-from bulletserve.model.tokenizer import load_tokenizer
+from bulletserve.model.tokenizer import load_tokenizer, stop_token_ids
 
 
 class PromptTooLongError(ValueError):
@@ -28,24 +30,33 @@ class PromptTooLongError(ValueError):
 
 @dataclass
 class ModelFront:
-    """The model as the API sees it: its name, tokenizer, context length and vocabulary."""
+    """The model as the API sees it: its name, tokenizer, context length, vocabulary and the
+    token ids that end its turn."""
 
     name: str
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     vocab_size: int
+    eos_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def load(cls, config: EngineConfig, source: ModelSource | None = None) -> ModelFront:
         """Everything but the weights of the model `--model` names (`source`, if resolved)."""
         source = source or resolve_model(config.model, config.load_format)
         model_config = load_config(source)
+        tokenizer = load_tokenizer(config.tokenizer or source)
         return cls(
             source.name,
-            load_tokenizer(config.tokenizer or source),
+            tokenizer,
             config.max_model_len or model_config.max_position_embeddings,
             model_config.vocab_size,
+            stop_token_ids(tokenizer, model_config.eos_token_ids),
         )
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this tokenizer and vocabulary (cached grammars)."""
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -63,6 +74,32 @@ class ModelFront:
             )
         if any(t < 0 or t >= self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise ValueError naming the field whose token ids are outside the vocabulary."""
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size})")
+
+    def decoding_state(self, params: SamplingParams) -> tuple[GrammarState | None, list[list[int]]]:
+        """A new request's own decoding state: its grammar's matcher (the grammar compiled, or
+        found in the cache) and its bad words as token sequences, each as it tokenizes alone
+        and after a space (vLLM's two spellings)."""
+        self.check_sampling(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.state(params.structured_outputs)
+        bad_words: list[list[int]] = []
+        for word in params.bad_words:
+            for spelling in (word, " " + word.lstrip(" ")):
+                ids = self.tokenizer.encode(spelling, add_special_tokens=False)
+                if ids and ids not in bad_words:
+                    bad_words.append(ids)
+        return grammar, bad_words
 
 
 @dataclass

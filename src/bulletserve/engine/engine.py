@@ -37,7 +37,7 @@ from bulletserve.executor.clock import Clock, RealClock
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model
-from bulletserve.model.tokenizer import IncrementalDetokenizer, stop_token_ids
+from bulletserve.model.tokenizer import IncrementalDetokenizer
 from bulletserve.partition import TeamThread
 from bulletserve.sched.base import Policy
 
@@ -132,7 +132,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)
-        self.eos_token_ids = stop_token_ids(self.tokenizer, self.model_config.eos_token_ids)
+        self.eos_token_ids = self.front.eos_token_ids
         self.requests: dict[str, Request] = {}
         self.book: RequestBook[Request] = RequestBook(self.pool.allocator, self.pool.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -206,6 +206,7 @@ class LLMEngine:
         """Queue a request; raises ValueError for bad input before anything is queued."""
         token_ids = self.tokenize(prompt)
         self.check_prompt(token_ids)
+        grammar, bad_words_ids = self.front.decoding_state(params)
         request = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt=prompt if isinstance(prompt, str) else None,
@@ -214,6 +215,8 @@ class LLMEngine:
             timings=RequestTimings(arrival=arrival_time or self.clock.now()),
             stop_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else self.eos_token_ids),
+            grammar=grammar,
+            bad_words_ids=bad_words_ids,
         )
         if params.seed is not None:
             request.generator = self.sampler.new_request_generator(params.seed)
@@ -337,6 +340,11 @@ class LLMEngine:
         if detok is None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
             self._detokenizers[request.request_id] = detok
+        if request.grammar is not None and not self._advance_grammar(request, token):
+            detok.flush()
+            request.text = detok.text
+            self._finish(request, "stop")
+            return
         if token in request.stop_ids and len(request.output_token_ids) > params.min_tokens:
             detok.flush()
             request.text = detok.text
@@ -357,6 +365,20 @@ class LLMEngine:
             detok.flush()
             request.text = detok.text
             self._finish(request, "length")
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Move the request's grammar past `token`; False where the output must end here: the
+        structure is complete (its stop token accepted, which `ignore_eos` does not make a
+        request stop on), or the token was outside the grammar (the sampler masks every such
+        token, so this is a fault, logged)."""
+        grammar = request.grammar
+        assert grammar is not None
+        if not grammar.accept(token):
+            logger.warning(
+                "request %s: token %d is outside its grammar; ending it", request.request_id, token
+            )
+            return False
+        return not grammar.terminated
 
     def _finish(
         self, request: Request, reason: str, state: RequestState = RequestState.FINISHED

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.structured import GrammarState
 from bulletserve.sched.base import SeqView
 
 
@@ -54,6 +55,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     generator: object | None = None  # the per-request torch.Generator when a seed is given
     stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignore_eos)
+    # Decoding state of its own: its place in the grammar its output must match, and the token
+    # sequences of its bad words.
+    grammar: GrammarState | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,6 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Turns logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds,
+logprobs; before the draw, what rows ask of their logits (`engine.logits`: grammar, bans, bias,
+penalties).
 
 Everything runs where the logits are (a GPU sends back one id per row, not an [N, vocab]
 matrix), in a few passes over the vocabulary and without sorting it: on a CPU, the earlier
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from bulletserve.engine.logits import process_logits, wants_processing
 from bulletserve.engine.request import Request, TokenLogprob
 from bulletserve.model.cpu_kernels import sampling_kernel
 
@@ -36,22 +39,29 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row of `logits` ([N, V], on any device) for the matching request.
 
-        `stop_ids[i]` are masked out while request i is below its `min_tokens`.
+        `stop_ids[i]` are masked out while request i is below its `min_tokens` (not for a row
+        held to a grammar, which decides itself when the output may end).
         """
         masked = [
             (row, ids)
             for row, (request, ids) in enumerate(zip(requests, stop_ids, strict=True))
-            if len(request.output_token_ids) < request.params.min_tokens and ids
+            if len(request.output_token_ids) < request.params.min_tokens
+            and ids
+            and request.grammar is None
         ]
+        processed = [row for row, request in enumerate(requests) if wants_processing(request)]
         on_kernel = self._kernel is not None and logits.device.type == "cpu"
         plain = all(r.params.greedy and r.params.logprobs is None for r in requests)
-        if plain and not masked and not on_kernel:
+        if plain and not masked and not processed and not on_kernel:
             return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+        original = logits
         logits = logits.float()
-        if masked:
+        if (masked or processed) and logits.data_ptr() == original.data_ptr():
             logits = logits.clone()  # the caller's logits (a CUDA graph's output) stay intact
-            for row, ids in masked:
-                logits[row, list(ids)] = float("-inf")
+        for row, ids in masked:
+            logits[row, list(ids)] = float("-inf")
+        if processed:
+            process_logits(logits, requests, processed)
         # One uniform per random row, from the request's own generator when it is seeded, so its
         # samples do not depend on its neighbours. (Noise over the whole vocabulary per row, as
         # an exponential race needs, cost 1.5 ms a row on a CPU.)
@@ -75,9 +85,9 @@ class Sampler:
 
 
 def _filters(request: Request, vocab: int) -> bool:
-    """Whether a request's draw is cut to a top-k or a top-p nucleus."""
+    """Whether a request's draw is cut to a top-k, a top-p nucleus or a min-p floor."""
     params = request.params
-    return not params.greedy and (0 < params.top_k < vocab or params.top_p < 1)
+    return not params.greedy and (0 < params.top_k < vocab or params.top_p < 1 or params.min_p > 0)
 
 
 def _temperature(request: Request) -> float:
@@ -109,9 +119,10 @@ def _drawn(logits: torch.Tensor, requests: list[Request], uniforms: torch.Tensor
 def _filtered_weights(
     logits: torch.Tensor, maxima: torch.Tensor, requests: list[Request]
 ) -> torch.Tensor:
-    """exp((logit - max) / temperature) per row, zeroed outside its top-k and its top-p
-    nucleus: unnormalized probabilities whose largest entry is 1. Subtracting the maximum first
-    keeps every entry within [0, 1] however small the temperature."""
+    """exp((logit - max) / temperature) per row, zeroed outside its top-k, below its min-p and
+    outside its top-p nucleus: unnormalized probabilities whose largest entry is 1 (so min-p's
+    floor, a share of the likeliest token's probability, is min_p itself). Subtracting the
+    maximum first keeps every entry within [0, 1] however small the temperature."""
     device = logits.device
     temperature = torch.tensor([_temperature(r) for r in requests], device=device)
     weights = (logits - maxima.unsqueeze(1)).div_(temperature.unsqueeze(1)).exp_()
@@ -124,6 +135,9 @@ def _filtered_weights(
         threshold[torch.tensor([k == 0 for k in top_k], device=device)] = 0
         # Ties with the k-th largest weight stay in (a threshold, not a rank).
         weights.masked_fill_(weights < threshold, 0)
+    min_p = [r.params.min_p for r in requests]
+    if any(min_p):
+        weights.masked_fill_(weights < torch.tensor(min_p, device=device).unsqueeze(1), 0)
     top_p = [r.params.top_p for r in requests]
     if any(p < 1 for p in top_p):
         weights.masked_fill_(weights < _nucleus_threshold(weights, top_p), 0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bulletserve.engine.structured import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -23,12 +25,24 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token, or None for none
+    # Penalties, as OpenAI and vLLM define them: presence and frequency over the output's
+    # tokens, repetition (1: none) over the prompt's and the output's.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest one
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's bad_words)
+    allowed_token_ids: list[int] | None = None  # None: any token; else only these
+    structured_outputs: StructuredOutputs | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         checks = [
@@ -45,10 +59,50 @@ class SamplingParams:
                 f"logprobs must be in [0, 20], got {self.logprobs}",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                0 < self.repetition_penalty <= 2,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+            ),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+                "logit_bias keys must be token ids (integers >= 0)",
+            ),
+            (
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be token ids (integers >= 0)",
+            ),
+            (all(isinstance(w, str) and w for w in self.bad_words), "bad words must be non-empty"),
+            (
+                self.allowed_token_ids is None
+                or (
+                    bool(self.allowed_token_ids)
+                    and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)
+                ),
+                "allowed_token_ids must be a non-empty list of token ids",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
