@@ -13,6 +13,7 @@ from bulletserve.server.settings import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServerSettings,
 )
+from bulletserve.server.tools import TOOL_PARSERS
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -48,6 +49,20 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     )
     server.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the model decides whether to call a tool; its calls are '
+        'parsed from its text); "required" and a named function work without it',
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default=None,
+        help="the format tool calls are parsed from: hermes (Qwen2.5/3, Hermes, SmolLM2) or "
+        "llama3_json (Llama 3.x) (default: read off the chat template)",
     )
     replicas = parser.add_argument_group("data-parallel replicas")
     replicas.add_argument(
@@ -111,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(engine, settings)
     server = make_server(

@@ -18,12 +18,17 @@ from bulletserve.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from bulletserve.server.serving import Serving, now
 from bulletserve.server.settings import ServerSettings
+from bulletserve.server.tokens import TokenServing
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500)}
 
@@ -40,6 +45,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     serving = Serving(engine, settings, metrics)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)
+    tokens = TokenServing(chat)
     model_card = ModelCard(
         id=settings.served_model_name,
         created=now(),
@@ -54,6 +60,14 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokens.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokens.detokenize(body)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

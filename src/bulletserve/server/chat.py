@@ -1,6 +1,11 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, then generation."""
+"""POST /v1/chat/completions: the tokenizer's chat template (with the request's tools), then
+generation, then the tool calls parsed out of the text where the request allows them."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 from fastapi import Request, Response
@@ -8,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from bulletserve.engine.request import RequestOutput, TokenLogprob
 from bulletserve.server.errors import APIError
+from bulletserve.server.fields import tools_for_template
 from bulletserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -16,70 +22,183 @@ from bulletserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     DeltaMessage,
+    FunctionCallDelta,
+    NamedToolChoice,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
 )
-from bulletserve.server.serving import Serving, new_request_id, now, usage
+from bulletserve.server.serving import (
+    ChoiceWork,
+    Serving,
+    choice_params,
+    new_request_id,
+    now,
+    usage,
+)
+from bulletserve.server.tools import (
+    ParsedCall,
+    ToolParserName,
+    calls_as_text,
+    detect_parser,
+    forced_calls,
+    may_start_call,
+    new_call_id,
+    parse_calls,
+    template_takes_tools,
+    tools_system_message,
+)
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a request's output is read for tool calls: `auto` (parsed where the text holds
+    them), `required` or `named` (the output is constrained to calls: `fields`)."""
+
+    kind: str  # "auto", "required" or "named"
+    parser: ToolParserName
+    name: str | None = None  # the named function
+
+    def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls) of a finished output. A forced output cut short (max_tokens) does
+        not parse: it stays content."""
+        if self.kind == "auto":
+            return parse_calls(text, self.parser)
+        try:
+            return None, forced_calls(text, self.name)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return text, []
 
 
 class ChatServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
+        template = serving.tokenizer.chat_template
+        self.template = template if isinstance(template, str) else None
+        self.takes_tools = template_takes_tools(self.template)
+        self.parser = serving.settings.tool_call_parser or detect_parser(self.template)
 
-    async def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """The conversation through the chat template, ending with the assistant's turn."""
-        if not messages:
-            raise APIError(400, "messages must hold at least one message", "messages")
-        if not self.serving.tokenizer.chat_template:
+    async def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The conversation through the chat template (with its tools), ending with the
+        assistant's turn (or continuing its last message)."""
+        if not self.template:
             raise APIError(400, "this model's tokenizer has no chat template", "messages")
-        conversation = [m.as_template_input() for m in messages]
-        chars = sum(len(m["content"]) for m in conversation)
-        self.serving.check_prompt_chars(chars, "messages")
-        return await self.serving.off_loop(chars, self._render, conversation)
+        conversation = [m.as_template_input() for m in body.messages]
+        tools = tools_for_template(body.tools)
+        if tools and not self.takes_tools:
+            # The template would drop them: they go in a system message instead.
+            conversation = _with_system(
+                tools_system_message(tools), [calls_as_text(m) for m in conversation]
+            )
+            tools = None
+        size = sum(len(m["content"]) + 16 for m in conversation)
+        size += len(json.dumps(tools)) if tools else 0
+        size += len(json.dumps(body.chat_template_kwargs)) if body.chat_template_kwargs else 0
+        self.serving.check_prompt_chars(size, "messages")
+        return await self.serving.off_loop(size, self._render, body, conversation, tools)
 
-    def _render(self, conversation: list[dict[str, str]]) -> list[int]:
+    def _render(
+        self,
+        body: ChatCompletionRequest,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+    ) -> list[int]:
         tokenizer = self.serving.tokenizer
+        kwargs = dict(body.chat_template_kwargs or {})
         try:
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=True
+                conversation,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **kwargs,
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
             raise APIError(
                 400, f"the chat template rejected the messages: {exc}", "messages"
             ) from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    def tool_mode(self, body: ChatCompletionRequest) -> ToolMode | None:
+        choice = body.tool_choice
+        if not body.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return ToolMode("named", self.parser, choice.function.name)
+        if choice == "required":
+            return ToolMode("required", self.parser)
+        if not self.serving.settings.enable_auto_tool_choice:
+            raise APIError(
+                400,
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                "(and, to override the format read off the chat template, --tool-call-parser); "
+                'give tool_choice "required" or a named function, or "none"',
+                "tool_choice",
+            )
+        return ToolMode("auto", self.parser)
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving
-        admission = serving.admit(body)
+        width = body.best_of or body.n
+        if body.stream and width > body.n:
+            raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
+        mode = self.tool_mode(body)
+        admission = serving.admit(body, width)
         try:
-            prompt_ids = await self.prompt_ids(body.messages)
+            structure = await serving.structure(body)
+            prompt_ids = serving.truncated(body, await self.prompt_ids(body))
             max_tokens = body.max_completion_tokens or body.max_tokens
-            num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            params = serving.sampling_params(body, prompt_ids, max_tokens, num_logprobs)
+            if body.logprobs:
+                num_logprobs: int | None = body.top_logprobs or 0
+            else:
+                num_logprobs = 0 if width > body.n else None  # best_of ranks by logprobs
+            params = serving.sampling_params(body, prompt_ids, max_tokens, num_logprobs, structure)
         except BaseException:
             admission.release()
             raise
+        choices = [ChoiceWork(k, 0, prompt_ids, choice_params(params, k)) for k in range(width)]
+        last = body.messages[-1]
+        echo = ""
+        if body.echo and last.role == "assistant":
+            echo = last.as_template_input()["content"]
         request_id = new_request_id("chatcmpl")
-        outputs = serving.outputs(prompt_ids, params, request_id, admission)
+        outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
-            events = _ChatEvents(self, request_id, body.include_usage)
+            events = _ChatEvents(self, request_id, body.include_usage, mode, echo)
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
                 media_type="text/event-stream",
             )
-        final = await serving.final_output(request, outputs)
-        if final is None:
+        finals = await serving.final_outputs(request, outputs)
+        if finals is None:
             return Response(status_code=499)
-        choice = ChatChoice(
-            message=AssistantMessage(content=final.text),
-            logprobs=self.logprobs(final.logprobs) if final.logprobs is not None else None,
-            finish_reason=final.finish_reason,
-        )
+        ranked = [finals[k] for k in range(width)]
+        if width > body.n:
+            ranked.sort(key=lambda out: -sum(lp.logprob for lp in out.logprobs or ()))
+        response_choices = []
+        for index, final in enumerate(ranked[: body.n]):
+            content: str | None = echo + final.text
+            calls: list[ParsedCall] = []
+            if mode is not None:
+                content, calls = mode.calls(final.text)
+            finish = final.finish_reason
+            if calls and mode is not None and mode.kind != "named":
+                finish = "tool_calls"
+            logprobs = None
+            if final.logprobs is not None and body.logprobs:
+                logprobs = self.logprobs(final.logprobs)
+            message = AssistantMessage(
+                content=content,
+                tool_calls=[ToolCallOut(**call.with_id()) for call in calls] or None,
+            )
+            response_choices.append(
+                ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
+            )
         response = ChatCompletionResponse(
-            id=request_id, model=serving.model_name, choices=[choice], usage=usage(final)
+            id=request_id, model=serving.model_name, choices=response_choices, usage=usage(ranked)
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -98,46 +217,96 @@ class ChatServing:
         return ChatLogprobs(content=content)
 
 
-class _ChatEvents:
-    """The chunks of one streamed chat completion: the role first, then content deltas."""
+def _with_system(system: dict[str, str], conversation: list[dict[str, Any]]) -> list[dict]:
+    """`system` first: merged into the conversation's own system message where it has one."""
+    if conversation and conversation[0]["role"] in ("system", "developer"):
+        first = dict(conversation[0])
+        first["content"] = f"{first['content']}\n\n{system['content']}".strip()
+        return [first, *conversation[1:]]
+    return [system, *conversation]
 
-    def __init__(self, owner: ChatServing, request_id: str, include_usage: bool) -> None:
+
+@dataclass
+class _ChoiceStream:
+    """What one streamed choice has sent: its role chunk, how much of its text, its logprobs."""
+
+    sent_role: bool = False
+    sent_chars: int = 0
+    num_logprobs: int = 0
+
+
+class _ChatEvents:
+    """The chunks of one streamed chat completion: per choice the role first, then content
+    deltas; under a tool mode the text from where a call may start is held back, and at the end
+    it goes out as tool-call deltas (or, where it holds no call, as content)."""
+
+    def __init__(
+        self,
+        owner: ChatServing,
+        request_id: str,
+        include_usage: bool,
+        mode: ToolMode | None,
+        echo: str,
+    ) -> None:
         self.owner = owner
         self.request_id = request_id
         self.include_usage = include_usage
+        self.mode = mode
+        self.echo = echo
         self.created = now()
-        self.sent_role = False
-        self.num_logprobs = 0
+        self.choices: dict[int, _ChoiceStream] = {}
 
-    def _chunk(self, choices: list[ChatChunkChoice], output: RequestOutput | None) -> str:
+    def _chunk(self, choices: list[ChatChunkChoice], outputs: list[RequestOutput] | None) -> str:
         chunk = ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
             model=self.owner.serving.model_name,
             choices=choices,
-            usage=usage(output) if output is not None else None,
+            usage=usage(outputs) if outputs is not None else None,
         )
         return chunk.model_dump_json()
 
-    def deltas(self, output: RequestOutput) -> list[str]:
+    def deltas(self, index: int, output: RequestOutput) -> list[str]:
+        state = self.choices.setdefault(index, _ChoiceStream())
         events = []
-        if not self.sent_role:
-            self.sent_role = True
-            role = DeltaMessage(role="assistant", content="")
-            events.append(self._chunk([ChatChunkChoice(delta=role)], None))
+        if not state.sent_role:
+            state.sent_role = True
+            role = DeltaMessage(role="assistant", content=self.echo)
+            events.append(self._chunk([ChatChunkChoice(index=index, delta=role)], None))
         if not (output.new_text or output.new_token_ids or output.finished):
             return events
         logprobs = None
         if output.logprobs is not None:
-            logprobs = self.owner.logprobs(output.logprobs[self.num_logprobs :])
-            self.num_logprobs = len(output.logprobs)
-        choice = ChatChunkChoice(
-            delta=DeltaMessage(content=output.new_text),
-            logprobs=logprobs,
-            finish_reason=output.finish_reason if output.finished else None,
-        )
+            logprobs = self.owner.logprobs(output.logprobs[state.num_logprobs :])
+            state.num_logprobs = len(output.logprobs)
+        text, mode = output.text, self.mode
+        visible = len(text)
+        if mode is not None:
+            cut = 0 if mode.kind != "auto" else may_start_call(text, mode.parser)
+            visible = len(text) if cut is None else max(cut, state.sent_chars)
+        calls: list[ParsedCall] = []
+        if output.finished and mode is not None:
+            _, calls = mode.calls(text)
+            if not calls:
+                visible = len(text)
+        delta = DeltaMessage(content=text[state.sent_chars : visible])
+        state.sent_chars = visible
+        finish = output.finish_reason if output.finished else None
+        if calls:
+            delta.tool_calls = [
+                ToolCallDelta(
+                    index=i,
+                    id=new_call_id(),
+                    type="function",
+                    function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+                )
+                for i, call in enumerate(calls)
+            ]
+            if mode is not None and mode.kind != "named":
+                finish = "tool_calls"
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
         events.append(self._chunk([choice], None))
         return events
 
-    def final(self, output: RequestOutput) -> list[str]:
-        return [self._chunk([], output)] if self.include_usage else []
+    def final(self, outputs: list[RequestOutput]) -> list[str]:
+        return [self._chunk([], outputs)] if self.include_usage else []

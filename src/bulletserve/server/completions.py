@@ -2,68 +2,110 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from bulletserve.engine.request import RequestOutput, TokenLogprob
 from bulletserve.server.errors import APIError
 from bulletserve.server.protocol import (
+    MAX_CHOICES,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from bulletserve.server.serving import Serving, new_request_id, now, usage
+from bulletserve.server.serving import (
+    ChoiceWork,
+    Serving,
+    choice_params,
+    new_request_id,
+    now,
+    usage,
+)
 
 
 class CompletionServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
 
-    async def prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
-        """One prompt as token ids: the tokenizer's default encoding, as the engine does it."""
-        if isinstance(prompt, list):
-            if len(prompt) != 1 and (not prompt or not isinstance(prompt[0], int)):
-                raise APIError(
-                    400, "send exactly one prompt per request (batched prompts are not supported)",
-                    "prompt",
-                )  # fmt: skip
-            if not isinstance(prompt[0], int):
-                prompt = prompt[0]
+    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """One prompt as token ids: the tokenizer's encoding, as the engine does it."""
         if not isinstance(prompt, str):
             return list(prompt)
         self.serving.check_prompt_chars(len(prompt), "prompt")
-        return await self.serving.off_loop(len(prompt), self.serving.front.tokenize, prompt)
+        return await self.serving.off_loop(
+            len(prompt),
+            partial(self.serving.tokenizer.encode, add_special_tokens=add_special_tokens),
+            prompt,
+        )
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         serving = self.serving
-        admission = serving.admit(body)
+        prompts = _prompts(body.prompt)
+        width = body.best_of or body.n
+        if width * len(prompts) > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x {width} choices is more than {MAX_CHOICES} sequences",
+                "n",
+            )
+        if body.stream and width > body.n:
+            raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs (the prompt's logprobs) is not supported", "echo"
+            )
+        # best_of ranks choices by their tokens' summed logprobs: the engine reports them.
+        logprobs = body.logprobs if body.logprobs is not None or width == body.n else 0
+        admission = serving.admit(body, width * len(prompts))
         try:
-            prompt_ids = await self.prompt_ids(body.prompt)
-            params = serving.sampling_params(body, prompt_ids, body.max_tokens, body.logprobs)
+            structure = await serving.structure(body)
+            choices, echoes = [], []
+            for p, prompt in enumerate(prompts):
+                ids = await self.prompt_ids(prompt, body.add_special_tokens)
+                ids = serving.truncated(body, ids)
+                params = serving.sampling_params(body, ids, body.max_tokens, logprobs, structure)
+                echoes.append(_prompt_text(serving, prompt, ids, body) if body.echo else "")
+                choices += [
+                    ChoiceWork(p * width + k, p, ids, choice_params(params, k))
+                    for k in range(width)
+                ]
         except BaseException:
             admission.release()
             raise
         request_id = new_request_id("cmpl")
-        outputs = serving.outputs(prompt_ids, params, request_id, admission)
+        outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
-            events = _CompletionEvents(self, request_id, body.include_usage)
+            events = _CompletionEvents(self, request_id, body.include_usage, echoes, width)
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
                 media_type="text/event-stream",
             )
-        final = await serving.final_output(request, outputs)
-        if final is None:
+        finals = await serving.final_outputs(request, outputs)
+        if finals is None:
             return Response(status_code=499)
-        logprobs = None
-        if final.logprobs is not None:
-            logprobs = self.logprobs(final.logprobs, 0)
-        choice = CompletionChoice(
-            text=final.text, logprobs=logprobs, finish_reason=final.finish_reason
-        )
+        kept = _best(finals, len(prompts), width, body.n)
+        response_choices = []
+        for index, final in enumerate(kept):
+            logprobs_out = None
+            if final.logprobs is not None and body.logprobs is not None:
+                logprobs_out = self.logprobs(final.logprobs, 0)
+            response_choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=echoes[index // body.n] + final.text,
+                    logprobs=logprobs_out,
+                    finish_reason=final.finish_reason,
+                )
+            )
         response = CompletionResponse(
-            id=request_id, model=serving.model_name, choices=[choice], usage=usage(final)
+            id=request_id,
+            model=serving.model_name,
+            choices=response_choices,
+            usage=usage([finals[i] for i in sorted(finals)], width),
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -80,41 +122,88 @@ class CompletionServing:
         return result
 
 
-class _CompletionEvents:
-    """The chunks of one streamed completion."""
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The request's prompts: a string or token ids alone, or a list of either."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
-    def __init__(self, owner: CompletionServing, request_id: str, include_usage: bool) -> None:
+
+def _prompt_text(
+    serving: Serving, prompt: str | list[int], ids: list[int], body: CompletionRequest
+) -> str:
+    """What `echo` puts before a choice's text: the prompt as sent, or the (kept) token ids
+    decoded."""
+    if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+        return prompt
+    return serving.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _best(
+    finals: dict[int, RequestOutput], prompts: int, width: int, n: int
+) -> list[RequestOutput]:
+    """Per prompt, in order, its n choices: all of them, or (best_of) the n whose tokens have
+    the highest summed logprob, best first (as vLLM orders them)."""
+    kept = []
+    for p in range(prompts):
+        group = [finals[p * width + k] for k in range(width)]
+        if width > n:
+            group.sort(key=lambda out: -sum(lp.logprob for lp in out.logprobs or ()))
+        kept += group[:n]
+    return kept
+
+
+class _CompletionEvents:
+    """The chunks of one streamed completion, its choices' chunks interleaved."""
+
+    def __init__(
+        self,
+        owner: CompletionServing,
+        request_id: str,
+        include_usage: bool,
+        echoes: list[str],
+        width: int,
+    ) -> None:
         self.owner = owner
         self.request_id = request_id
         self.include_usage = include_usage
         self.created = now()
-        self.num_logprobs = 0
-        self.text_offset = 0
+        self.echoes = echoes  # per prompt: what echo puts before each of its choices' text
+        self.width = width
+        self.num_logprobs: dict[int, int] = {}
+        self.text_offset: dict[int, int] = {}
 
-    def _chunk(self, choices: list[CompletionChoice], output: RequestOutput | None) -> str:
+    def _chunk(self, choices: list[CompletionChoice], outputs: list[RequestOutput] | None) -> str:
         chunk = CompletionChunk(
             id=self.request_id,
             created=self.created,
             model=self.owner.serving.model_name,
             choices=choices,
-            usage=usage(output) if output is not None else None,
+            usage=usage(outputs, self.width) if outputs is not None else None,
         )
         return chunk.model_dump_json()
 
-    def deltas(self, output: RequestOutput) -> list[str]:
+    def deltas(self, index: int, output: RequestOutput) -> list[str]:
         if not (output.new_text or output.new_token_ids or output.finished):
             return []
+        text = output.new_text
+        if index not in self.num_logprobs:
+            text = self.echoes[index // self.width] + text
+            self.num_logprobs[index] = 0
+            self.text_offset[index] = 0
         logprobs = None
         if output.logprobs is not None:
-            logprobs = self.owner.logprobs(output.logprobs[self.num_logprobs :], self.text_offset)
-            self.num_logprobs = len(output.logprobs)
-            self.text_offset += sum(len(t) for t in logprobs.tokens)
+            seen = self.num_logprobs[index]
+            logprobs = self.owner.logprobs(output.logprobs[seen:], self.text_offset[index])
+            self.num_logprobs[index] = len(output.logprobs)
+            self.text_offset[index] += sum(len(t) for t in logprobs.tokens)
         choice = CompletionChoice(
-            text=output.new_text,
+            index=index,
+            text=text,
             logprobs=logprobs,
             finish_reason=output.finish_reason if output.finished else None,
         )
         return [self._chunk([choice], None)]
 
-    def final(self, output: RequestOutput) -> list[str]:
-        return [self._chunk([], output)] if self.include_usage else []
+    def final(self, outputs: list[RequestOutput]) -> list[str]:
+        return [self._chunk([], outputs)] if self.include_usage else []

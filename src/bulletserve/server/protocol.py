@@ -1,25 +1,90 @@
-"""Request and response bodies of the OpenAI-compatible API (plus vLLM's sampling extras).
+"""Request and response bodies of the OpenAI-compatible API (plus vLLM's extras).
 
-Unknown request fields are accepted and ignored: benchmark clients send some.
+One rule for fields: every field of OpenAI's and vLLM's requests that we implement is declared
+here; a field vLLM implements and we do not is refused with a 400 naming it (`REFUSED`, unless
+it holds vLLM's default, which asks for nothing); any other field (one vLLM ignores too) is
+ignored and logged once per field name, as vLLM does. docs/api.md has the whole table.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SEED_RANGE = {"ge": -(2**63), "le": 2**64 - 1}  # what torch.Generator.manual_seed accepts
+# Choices one request may ask for (n, best_of, prompts x n): a bound, so that one request
+# cannot queue thousands of sequences.
+MAX_CHOICES = 128
+
+# Fields vLLM implements that we do not (yet), with the value that asks for nothing: a request
+# that sets one to anything else is refused (400 naming it).
+REFUSED: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "prompt_logprobs": None,
+    "prompt_embeds": None,
+    "suffix": None,
+    "documents": None,
+    "chat_template": None,
+    "mm_processor_kwargs": None,
+    "structural_tag": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "priority": 0,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": None,
+    "return_token_ids": None,
+    "cache_salt": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "reasoning_effort": None,
+}
 
 
 class _Request(BaseModel):
-    # Strict, as OpenAI's API is: "10" is not a number, "yes" not a boolean.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # Strict, as OpenAI's API is: "10" is not a number, "yes" not a boolean. Extra fields are
+    # kept (`model_extra`) for the server's one rule (REFUSED, or ignored and logged).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or not self.json_schema.schema_
+        ):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Request):
@@ -29,26 +94,62 @@ class SamplingFields(_Request):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(**SEED_RANGE)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = (
+        None
+    )
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None
+    ) = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @model_validator(mode="after")
+    def _choices(self) -> SamplingFields:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
+        return self
+
 
 class CompletionRequest(SamplingFields):
-    # A string, a list of one string, token ids, or a list of one list of token ids.
-    prompt: Annotated[str, Field(min_length=1)] | list[str] | list[int] | list[list[int]]
+    # A string, token ids, or a list of either (one choice set per prompt).
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+        | list[int]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_CHOICES)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
 
 
 class TextPart(_Request):
@@ -56,17 +157,78 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
         else:
             content = self.content or ""
-        return {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # As Hugging Face chat templates take them: arguments as an object where they parse.
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _arguments(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -74,6 +236,69 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or ()}
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, not one of tools")
+        return self
+
+
+class TokenizeRequest(_Request):
+    """vLLM's POST /tokenize: a prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -127,9 +352,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -148,9 +385,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

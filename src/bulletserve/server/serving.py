@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -16,7 +18,9 @@ from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
 from bulletserve.engine.client import EngineClient
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.structured import GrammarError, StructuredOutputs
 from bulletserve.server.errors import APIError, error_body
+from bulletserve.server.fields import check_fields, logit_bias_of, structure_of
 from bulletserve.server.metrics import ServerMetrics
 from bulletserve.server.protocol import PromptTokensDetails, SamplingFields, Usage
 from bulletserve.server.settings import ServerSettings
@@ -34,13 +38,21 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
-def usage(output: RequestOutput) -> Usage:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+def usage(outputs: list[RequestOutput], per_prompt: int | None = None) -> Usage:
+    """Usage of a request's choices in index order, each run of `per_prompt` of them (None: all)
+    one prompt's: each prompt counted once, with the cached tokens its first choice found, and
+    every choice's completion."""
+    per_prompt = per_prompt or len(outputs)
+    firsts = outputs[::per_prompt]
+    prompt = sum(len(out.prompt_token_ids) for out in firsts)
+    completion = sum(len(out.token_ids) for out in outputs)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(out.num_cached_tokens for out in firsts)
+        ),
     )
 
 
@@ -67,14 +79,13 @@ class Serving:
     def model_name(self) -> str:
         return self.settings.served_model_name
 
-    def admit(self, body: SamplingFields) -> Admission:
-        """Reject what no generation can serve, before any tokenization; else the request's
-        place among the admitted ones, which the caller releases if it drops the request
-        before `outputs` takes it over."""
+    def admit(self, body: SamplingFields, sequences: int = 1) -> Admission:
+        """Reject what no generation can serve, before any tokenization; else the places of the
+        request's `sequences` among the admitted ones, which the caller releases if it drops
+        the request before `outputs` takes them over."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist", "model")
-        if body.n != 1:
-            raise APIError(400, f"only n=1 is supported, got n={body.n}", "n")
+        check_fields(body)
         if not self.client.healthy:
             raise APIError(500, f"the engine has failed: {self.client.error!r}")
         limit = self.settings.max_waiting_requests
@@ -89,12 +100,12 @@ class Serving:
                     f"(--max-waiting-requests {limit}); retry later",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
-            self._num_admitted += 1
-        return Admission(self)
+            self._num_admitted += sequences
+        return Admission(self, sequences)
 
-    def _release(self) -> None:
+    def _release(self, count: int) -> None:
         with self._admitted_lock:
-            self._num_admitted -= 1
+            self._num_admitted -= count
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """400 for a prompt too long to fit the context whatever its tokens, before any
@@ -114,12 +125,30 @@ class Serving:
             return work(*args)
         return await asyncio.to_thread(work, *args)
 
+    async def structure(self, body: SamplingFields) -> StructuredOutputs | None:
+        """The structured output the request asks for, compiled (on a worker thread; cached by
+        spec, so the engine's own compile finds it): a 400 naming the field if it cannot be."""
+        structure, field = structure_of(body)
+        if structure is None:
+            return None
+        try:
+            await asyncio.to_thread(self.front.grammars.compile, structure)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), field) from None
+        return structure
+
+    def truncated(self, body: SamplingFields, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens, where the request asks so."""
+        keep = body.truncate_prompt_tokens
+        return prompt_ids[-keep:] if keep is not None else prompt_ids
+
     def sampling_params(
         self,
         body: SamplingFields,
         prompt_ids: list[int],
         max_tokens: int | None,
         logprobs: int | None,
+        structure: StructuredOutputs | None = None,
     ) -> SamplingParams:
         """Check the prompt against the context and build the engine's settings (400 on error)."""
         try:
@@ -136,7 +165,7 @@ class Serving:
                 "max_tokens",
             )
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else room,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
@@ -146,38 +175,101 @@ class Serving:
                 ignore_eos=body.ignore_eos,
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                min_p=body.min_p or 0.0,
+                logit_bias=logit_bias_of(body),
+                stop_token_ids=list(body.stop_token_ids or []),
+                bad_words=list(body.bad_words or []),
+                allowed_token_ids=body.allowed_token_ids,
+                structured_outputs=structure,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+        try:
+            self.front.check_sampling(params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+        return params
 
     def outputs(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, admission: Admission
-    ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one request; the last one goes to the metrics. The
-        admission ends with them, or when they are dropped unread (a stream whose client left
-        before it began)."""
-        outputs = self._outputs(prompt_ids, params, request_id, admission)
+        self, choices: list[ChoiceWork], request_id: str, admission: Admission
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The engine's outputs for a request's choices, as (choice index, output), merged in
+        the order they come; each choice's last output goes to the metrics. The admission ends
+        with them, or when they are dropped unread (a stream whose client left before it
+        began)."""
+        outputs = self._merged(choices, request_id, admission)
         weakref.finalize(outputs, admission.release)
         return outputs
 
+    async def _merged(
+        self, choices: list[ChoiceWork], request_id: str, admission: Admission
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Each prompt's first choice starts at once; its other choices start when it has its
+        first output, its prompt's KV blocks cached by then, so they share them through the
+        prefix cache instead of computing the prompt again."""
+        if len(choices) == 1:
+            choice = choices[0]
+            async for output in self._outputs(choice, request_id, admission):
+                yield choice.index, output
+            return
+        items: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        tasks: list[asyncio.Task[None]] = []
+
+        async def run(choice: ChoiceWork, then: list[ChoiceWork]) -> None:
+            try:
+                async for output in self._outputs(
+                    choice, f"{request_id}-{choice.index}", admission
+                ):
+                    if then:
+                        tasks.extend(asyncio.ensure_future(run(c, [])) for c in then)
+                        then = []
+                    items.put_nowait((choice.index, output))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                items.put_nowait(exc)
+            finally:
+                for _ in range(1 + len(then)):  # this choice, and siblings it never started
+                    items.put_nowait(None)
+
+        groups: dict[int, list[ChoiceWork]] = {}
+        for choice in choices:
+            groups.setdefault(choice.prompt_index, []).append(choice)
+        tasks.extend(asyncio.ensure_future(run(g[0], g[1:])) for g in groups.values())
+        ended = 0
+        try:
+            while ended < len(choices):
+                item = await items.get()
+                if item is None:
+                    ended += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # closes its engine stream, which aborts its request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _outputs(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, admission: Admission
+        self, choice: ChoiceWork, request_id: str, admission: Admission
     ) -> AsyncIterator[RequestOutput]:
         last: RequestOutput | None = None
         try:
-            async for output in self.client.generate(prompt_ids, params, request_id):
+            async for output in self.client.generate(choice.prompt_ids, choice.params, request_id):
                 last = output
                 yield output
         finally:
-            admission.release()
+            admission.release(1)
             if last is not None:
                 self.metrics.observe(last)
 
-    async def final_output(
-        self, request: Request, outputs: AsyncIterator[RequestOutput]
-    ) -> RequestOutput | None:
-        """Run a request to the end; None (and the request aborted) if the client disconnects
-        first. A failed engine is a 500."""
+    async def final_outputs(
+        self, request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> dict[int, RequestOutput] | None:
+        """Run a request's choices to the end: each choice's last output by its index; None
+        (and the requests aborted) if the client disconnects first. A failed engine is a 500."""
         work = asyncio.ensure_future(_last(outputs))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
@@ -188,7 +280,7 @@ class Serving:
         finally:
             gone.cancel()
             if not work.done():
-                work.cancel()  # closes the engine stream, which aborts the request
+                work.cancel()  # closes the engine streams, which aborts the requests
                 # A cancel takes effect at the task's next step: until then the task is neither
                 # done nor cancelled, and asking it for its result would raise.
                 await asyncio.wait({work})
@@ -203,21 +295,21 @@ class Serving:
 
     async def stream(
         self,
-        outputs: AsyncIterator[RequestOutput],
-        events: Callable[[RequestOutput], list[str]],
-        final_events: Callable[[RequestOutput], list[str]],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        events: Callable[[int, RequestOutput], list[str]],
+        final_events: Callable[[list[RequestOutput]], list[str]],
     ) -> AsyncIterator[str]:
-        """Server-sent events: `events(output)` for each engine output, `final_events(last)`
-        after the last one, an error event if the engine fails or the server ends the stream
-        (its shutdown), and `[DONE]`."""
+        """Server-sent events: `events(index, output)` for each engine output of each choice,
+        `final_events(lasts)` after the last one, an error event if the engine fails or the
+        server ends the stream (its shutdown), and `[DONE]`."""
         try:
-            last = None
-            async for output in outputs:
-                last = output
-                for payload in events(output):
+            last: dict[int, RequestOutput] = {}
+            async for index, output in outputs:
+                last[index] = output
+                for payload in events(index, output):
                     yield sse(payload)
-            if last is not None:
-                for payload in final_events(last):
+            if last:
+                for payload in final_events([last[i] for i in sorted(last)]):
                     yield sse(payload)
         except EngineDeadError as exc:
             yield sse(error_body(500, str(exc)).model_dump_json())
@@ -226,6 +318,24 @@ class Serving:
         except ValueError as exc:
             yield sse(error_body(400, str(exc)).model_dump_json())
         yield sse("[DONE]")
+
+
+@dataclass
+class ChoiceWork:
+    """One sequence a request asks for: choice `index` of the prompt at `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def choice_params(params: SamplingParams, k: int) -> SamplingParams:
+    """The settings of a prompt's k-th choice: a seeded request's choices draw from seed + k,
+    as vLLM's parallel sampling does, so that they differ and each is reproducible."""
+    if k == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + k)
 
 
 def new_request_id(prefix: str) -> str:
@@ -237,11 +347,11 @@ def now() -> int:
     return int(time.time())
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    async for output in outputs:
-        last = output
-    if last is None or not last.finished:
+async def _last(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
+    last: dict[int, RequestOutput] = {}
+    async for index, output in outputs:
+        last[index] = output
+    if not last or not all(output.finished for output in last.values()):
         raise EngineDeadError("the engine stream ended without a finished output")
     return last
 
@@ -255,13 +365,15 @@ class Admission:
     """A request's place among the admitted ones (`Serving.admit`); released once, by whoever
     ends the request: its outputs' end, or the handler that drops it before them."""
 
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Serving, count: int = 1) -> None:
         self._serving = serving
-        self._held = True
+        self._held = count
         self._lock = threading.Lock()
 
-    def release(self) -> None:
+    def release(self, count: int | None = None) -> None:
+        """Release `count` of the places (None: all that are held)."""
         with self._lock:
-            held, self._held = self._held, False
-        if held:
-            self._serving._release()
+            taken = self._held if count is None else min(count, self._held)
+            self._held -= taken
+        if taken:
+            self._serving._release(taken)

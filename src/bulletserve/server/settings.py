@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
@@ -15,3 +16,7 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Tool calling (vLLM's flags): whether tool_choice "auto" is served, and the output format
+    # tool calls are parsed from (None: read off the chat template).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None

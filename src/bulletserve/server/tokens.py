@@ -1,0 +1,63 @@
+"""POST /tokenize and /detokenize, as vLLM's: a prompt or chat messages to token ids (with
+the context length), and token ids back to text."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from bulletserve.server.chat import ChatServing
+from bulletserve.server.errors import APIError
+from bulletserve.server.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+
+class TokenServing:
+    def __init__(self, chat: ChatServing) -> None:
+        self.chat = chat
+        self.serving = chat.serving
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.serving.model_name:
+            raise APIError(404, f"the model `{model}` does not exist", "model")
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        serving = self.serving
+        if body.messages is not None:
+            # The fields were validated as this request's; the chat request only carries them.
+            chat = ChatCompletionRequest.model_construct(
+                messages=body.messages,
+                tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_special_tokens=body.add_special_tokens,
+            )
+            ids = await self.chat.prompt_ids(chat)
+        else:
+            prompt = body.prompt or ""
+            serving.check_prompt_chars(len(prompt), "prompt")
+            ids = await serving.off_loop(
+                len(prompt),
+                partial(serving.tokenizer.encode, add_special_tokens=body.add_special_tokens),
+                prompt,
+            )
+        strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids),
+            max_model_len=serving.front.max_model_len,
+            tokens=ids,
+            token_strs=strs,
+        )
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        vocab = self.serving.front.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=self.serving.tokenizer.decode(body.tokens))

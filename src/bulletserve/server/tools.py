@@ -1,0 +1,198 @@
+"""Tool calling: the tools into the chat template, and the calls out of the model's text.
+
+Two output formats, as vLLM's parsers of the same names read them:
+
+- `hermes` (Qwen2.5, Qwen3, Hermes, and SmolLM2): `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` blocks (a block may hold a list of calls), after optional text;
+- `llama3_json` (Llama 3.1-3.3): the whole output is a JSON call `{"name": ..., "parameters":
+  {...}}` (or several separated by `;`), optionally after `<|python_tag|>`.
+
+Which one a model uses is read off its chat template (`--tool-call-parser` overrides). A template
+that takes no tools (SmolLM2's) gets them in a system message in the hermes format instead, so
+that no request's tools are silently left out of the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ToolParserName = Literal["hermes", "llama3_json"]
+TOOL_PARSERS: tuple[ToolParserName, ...] = ("hermes", "llama3_json")
+
+_HERMES_START = "<tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+    def with_id(self) -> dict[str, Any]:
+        return {
+            "id": new_call_id(),
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def template_takes_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def detect_parser(template: str | None) -> ToolParserName:
+    """The output format a chat template asks for: llama3_json for Llama 3.x's templates,
+    hermes otherwise (and for templates that take no tools, which get hermes' instructions)."""
+    if template and template_takes_tools(template) and _HERMES_START not in template:
+        if _PYTHON_TAG in template or "ipython" in template or '"parameters"' in template:
+            return "llama3_json"
+    return "hermes"
+
+
+def tools_system_message(tools: list[dict[str, Any]]) -> dict[str, str]:
+    """A system message that gives a template without tool support the tools, in the hermes
+    format the parser reads (the format SmolLM2 and Qwen were tuned on)."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return {
+        "role": "system",
+        "content": (
+            "You may call one or more functions to answer the user. The functions you can "
+            f"call are:\n<tools>\n{listed}\n</tools>\n"
+            "To call a function, answer with a JSON object of its name and arguments inside "
+            'tags: <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+            "</tool_call>"
+        ),
+    }
+
+
+def calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool calls as hermes text, for a template that takes no tools
+    (it would drop `tool_calls`), so a conversation's earlier calls stay in the prompt."""
+    calls = message.pop("tool_calls", None)
+    if not calls:
+        return message
+    blocks = [
+        _HERMES_START
+        + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        + "</tool_call>"
+        for c in calls
+    ]
+    message["content"] = "\n".join(filter(None, [message.get("content") or "", *blocks]))
+    return message
+
+
+def may_start_call(text: str, parser: ToolParserName) -> int | None:
+    """Where, in text generated so far, a tool call starts or may be starting (a prefix of its
+    marker at the end): the streamed content stops there. None: all of it is plain content."""
+    if parser == "hermes":
+        at = text.find(_HERMES_START)
+        if at >= 0:
+            return at
+        for cut in range(1, len(_HERMES_START)):
+            if text.endswith(_HERMES_START[:cut]):
+                return len(text) - cut
+        return None
+    stripped = text.lstrip()
+    if not stripped:
+        return 0 if text else None
+    if (
+        stripped.startswith("{")
+        or stripped.startswith(_PYTHON_TAG)
+        or _PYTHON_TAG.startswith(stripped)
+    ):
+        return 0
+    return None
+
+
+def parse_calls(text: str, parser: ToolParserName) -> tuple[str | None, list[ParsedCall]]:
+    """(the content outside the calls, or None where there is none; the calls). Text that does
+    not parse as calls is all content."""
+    if parser == "hermes":
+        at = text.find(_HERMES_START)
+        if at < 0:
+            return text, []
+        calls: list[ParsedCall] = []
+        for block in _HERMES_BLOCK.findall(text[at:]):
+            parsed = _json(block)
+            items = parsed if isinstance(parsed, list) else [parsed]
+            for item in items:
+                call = _call(item, ("arguments", "parameters"))
+                if call is None:
+                    return text, []
+                calls.append(call)
+        content = text[:at].strip()
+        return (content or None), calls
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG) :].strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    for piece in _split_top_level(body, ";"):
+        call = _call(_json(piece), ("parameters", "arguments"))
+        if call is None:
+            return text, []
+        calls.append(call)
+    return None, calls
+
+
+def forced_calls(text: str, named: str | None) -> list[ParsedCall]:
+    """The calls of an output constrained by a forced tool choice (`fields.tool_choice_structure`):
+    a named function's arguments object, or `required`'s array of {name, parameters}."""
+    if named is not None:
+        return [ParsedCall(named, json.dumps(json.loads(text), ensure_ascii=False))]
+    return [
+        ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+        for item in json.loads(text)
+    ]
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _call(item: Any, argument_keys: tuple[str, ...]) -> ParsedCall | None:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments = next((item[k] for k in argument_keys if k in item), {})
+    if isinstance(arguments, str):
+        parsed = _json(arguments)
+        arguments = parsed if parsed is not None else arguments
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ParsedCall(item["name"], text)
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """`text` split at `separator` outside JSON strings, braces and brackets."""
+    pieces, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == separator and depth == 0:
+            pieces.append(text[start:i])
+            start = i + 1
+    pieces.append(text[start:])
+    return [p.strip() for p in pieces if p.strip()]

@@ -1,0 +1,93 @@
+"""Tool calls out of model text, in each family's format; where streamed content stops."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bulletserve.server.tools import (
+    ParsedCall,
+    calls_as_text,
+    detect_parser,
+    forced_calls,
+    may_start_call,
+    parse_calls,
+)
+
+
+def test_hermes_blocks_after_text_and_a_list_in_one_block():
+    text = (
+        'Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>[{"name": "b", "arguments": {}}, {"name": "c", "arguments": "{\\"y\\": 2}"}]'
+        "</tool_call>"
+    )
+    content, calls = parse_calls(text, "hermes")
+    assert content == "Sure."
+    assert calls == [
+        ParsedCall("a", '{"x": 1}'),
+        ParsedCall("b", "{}"),
+        ParsedCall("c", '{"y": 2}'),
+    ]
+
+
+def test_an_unclosed_last_hermes_block_still_parses_and_bad_json_is_content():
+    content, calls = parse_calls('<tool_call>{"name": "a", "arguments": {}}', "hermes")
+    assert content is None and calls == [ParsedCall("a", "{}")]
+    text = "<tool_call>{not json}</tool_call>"
+    assert parse_calls(text, "hermes") == (text, [])
+    assert parse_calls("just words", "hermes") == ("just words", [])
+
+
+def test_llama3_json_calls_with_parameters_and_several_separated_by_semicolons():
+    one = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert parse_calls(one, "llama3_json") == (
+        None,
+        [ParsedCall("get_weather", '{"city": "Oslo"}')],
+    )
+    two = '<|python_tag|>{"name": "a", "parameters": {"s": "x;y"}}; {"name": "b", "arguments": {}}'
+    _, calls = parse_calls(two, "llama3_json")
+    assert [c.name for c in calls] == ["a", "b"] and json.loads(calls[0].arguments) == {"s": "x;y"}
+    assert parse_calls("It is sunny.", "llama3_json") == ("It is sunny.", [])
+
+
+@pytest.mark.parametrize(
+    "text,parser,cut",
+    [
+        ("Hello", "hermes", None),
+        ("Hello <tool", "hermes", 6),
+        ("Hello <tool_call>{", "hermes", 6),
+        ("", "llama3_json", None),
+        ('  {"na', "llama3_json", 0),
+        ("<|python", "llama3_json", 0),
+        ("The answer", "llama3_json", None),
+    ],
+)
+def test_where_streamed_content_stops(text, parser, cut):
+    assert may_start_call(text, parser) == cut
+
+
+def test_forced_outputs_and_the_parser_read_off_a_template():
+    assert forced_calls('{"city": "Oslo"}', "get_weather") == [
+        ParsedCall("get_weather", '{"city": "Oslo"}')
+    ]
+    assert forced_calls('[{"name": "a", "parameters": {"x": 1}}]', None) == [
+        ParsedCall("a", '{"x": 1}')
+    ]
+    assert detect_parser("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert (
+        detect_parser('{% if tools %}Environment: ipython "parameters"{% endif %}') == "llama3_json"
+    )
+    assert detect_parser("{{ message.content }}") == "hermes"
+
+
+def test_an_earlier_call_becomes_text_for_a_template_without_tools():
+    message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "a", "arguments": {"x": 1}}}],
+    }
+    text = calls_as_text(message)["content"]
+    assert text.startswith("<tool_call>") and parse_calls(text, "hermes")[1] == [
+        ParsedCall("a", '{"x": 1}')
+    ]
