@@ -12,7 +12,10 @@ bookkeeping add to a step.
         --batches 1,16,64,256
 
 `--temperature` 0 (the default) samples greedily; 1 is what a server request without a
-temperature gets, and what `bullet bench` runs. `--breakdown` also profiles the decode steps of
+temperature gets, and what `bullet bench` runs. `--constraint json` holds every row to a JSON
+schema (a string of at least 400 characters, so that no row's structure ends within the run),
+`--constraint penalties` gives every row presence, frequency and repetition penalties and a
+logit bias: the per-step cost of what requests ask of their logits. `--breakdown` also profiles the decode steps of
 the largest batch (cProfile) and prints where an engine step's time goes.
 """
 
@@ -25,6 +28,23 @@ import statistics
 import time
 
 from bulletserve import LLM, SamplingParams
+from bulletserve.engine.structured import StructuredOutputs
+
+LONG_STRING = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 400}},
+    "required": ["text"],
+}
+CONSTRAINTS = {
+    "none": {},
+    "json": {"structured_outputs": StructuredOutputs.json_schema(LONG_STRING)},
+    "penalties": {
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {100: 1.0, 200: -1.0},
+    },
+}
 
 # The parts of an engine step, as (file suffix, function name) of the call that holds each.
 PARTS = {
@@ -47,6 +67,7 @@ def measure(
     model: str | None,
     load_format: str,
     profile: cProfile.Profile | None = None,
+    constraint: str = "none",
 ) -> tuple[float, float]:
     """(median engine step seconds, median runner seconds) of full-batch decode steps; with
     `profile`, the decode steps after the first five run under it."""
@@ -69,7 +90,9 @@ def measure(
         return result
 
     engine.runner.execute = timed
-    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=output_len, temperature=temperature, ignore_eos=True, **CONSTRAINTS[constraint]
+    )
     for i in range(batch):
         engine.add_request([(i * 31 + j * 7) % (vocab - 5) + 5 for j in range(64)], params)
     steps = []
@@ -94,21 +117,35 @@ def main() -> None:
     parser.add_argument("--model", help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--breakdown", action="store_true", help="profile the largest batch")
+    parser.add_argument(
+        "--constraints",
+        default="none",
+        help=f"comma-separated, of {', '.join(CONSTRAINTS)}: each batch size is run under each",
+    )
     args = parser.parse_args()
-    print("| batch | engine step ms | runner ms | outside the runner ms |")
-    print("|---|---|---|---|")
+    constraints = args.constraints.split(",")
+    unknown = set(constraints) - set(CONSTRAINTS)
+    if unknown:
+        parser.error(f"--constraints: unknown {', '.join(sorted(unknown))}")
+    print("| batch | constraint | engine step ms | runner ms | outside the runner ms |")
+    print("|---|---|---|---|---|")
     batches = [int(b) for b in args.batches.split(",")]
     profile = cProfile.Profile() if args.breakdown else None
     for batch in batches:
-        step, runner = measure(
-            batch,
-            args.output_len,
-            args.temperature,
-            args.model,
-            args.load_format,
-            profile if batch == max(batches) else None,
-        )
-        print(f"| {batch} | {step * 1e3:.2f} | {runner * 1e3:.2f} | {(step - runner) * 1e3:.2f} |")
+        for constraint in constraints:
+            step, runner = measure(
+                batch,
+                args.output_len,
+                args.temperature,
+                args.model,
+                args.load_format,
+                profile if batch == max(batches) and constraint == constraints[-1] else None,
+                constraint,
+            )
+            outside = (step - runner) * 1e3
+            print(
+                f"| {batch} | {constraint} | {step * 1e3:.2f} | {runner * 1e3:.2f} | {outside:.2f} |"
+            )
     if profile is not None:
         print_breakdown(profile, max(batches))
 

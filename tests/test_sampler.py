@@ -15,6 +15,7 @@ from bulletserve.engine.sampler import (
     _inverse_cdf,
 )
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.structured import disallowed
 from bulletserve.model.cpu_kernels import sampling_kernel
 
 
@@ -142,17 +143,41 @@ def test_the_kernel_draws_as_the_pytorch_path_across_blocks():
 
 @needs_kernel
 def test_the_kernels_argmax_takes_the_first_of_ties_and_refuses_non_finite_rows():
+    """NaN or +inf refuses a row, and so does a row masked whole; a -inf entry is masked."""
+    inf = float("inf")
     logits = torch.tensor([[0.0, 5.0, 5.0, 1.0], [3.0, 0.0, 3.0, 0.0]])
-    bad = torch.tensor([[0.0, float("nan"), 1.0, 0.0], [0.0, float("-inf"), 1.0, 0.0]])
+    bad = torch.tensor([[0.0, float("nan"), 1.0, 0.0], [0.0, inf, 1.0, 0.0], [-inf] * 4])
     rows = torch.cat([logits, bad])
-    tokens = kernel(rows, torch.tensor([0.0, 0.0, 0.0, 1.0]), torch.full((4,), 0.5))
-    assert tokens.tolist() == [1, 0, -1, -1]
+    tokens = kernel(rows, torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]), torch.full((5,), 0.5))
+    assert tokens.tolist() == [1, 0, -1, -1, -1]
 
 
 @needs_kernel
-def test_the_sampler_takes_masked_rows_through_pytorch_beside_the_kernels():
-    """A request below min_tokens has its stop ids at -inf: the kernel refuses the row, and
-    PyTorch's path draws it with the same uniform; the other rows stay on the kernel."""
+@pytest.mark.parametrize("temperature", [0.0, 1e-30, 0.3, 1.0, 50.0])
+def test_the_kernel_never_draws_a_masked_entry(temperature):
+    """-inf entries (a grammar's mask, written by the kernel's own mask) have no mass at any
+    temperature, even where they were the likeliest."""
+    vocab = 3 * CDF_BLOCK + 5
+    logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(3)) * 4
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (64, -(-vocab // 32)), dtype=torch.int32)
+    bitmask[:, 0] = 1  # token 0 allowed in every row: no row is masked whole
+    logits[:, 1] = 100.0  # the likeliest, and masked
+    kernel.mask(logits, torch.arange(64), bitmask)
+    allowed = ~disallowed(bitmask, vocab)
+    assert torch.isinf(logits[~allowed]).all() and torch.isfinite(logits[allowed]).all()
+    inverse = torch.full((64,), 0.0 if temperature == 0 else 1 / temperature)
+    for seed in range(3):
+        uniforms = torch.rand(
+            64, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+        )
+        tokens = kernel(logits, inverse, uniforms)
+        assert (tokens >= 0).all() and allowed[torch.arange(64), tokens].all()
+
+
+@needs_kernel
+def test_the_sampler_masks_stop_ids_below_min_tokens_beside_free_rows():
+    """A request below min_tokens has its stop ids at -inf: never drawn; the other rows keep
+    them."""
     logits = torch.tensor([[0.0, 9.0, 0.0, 0.0], [0.0, 9.0, 0.0, 0.0]])
     held = _request(temperature=0, min_tokens=1)
     free = _request(temperature=0)

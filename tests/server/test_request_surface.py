@@ -538,3 +538,12 @@ def test_each_familys_template_takes_the_tools_and_round_trips_a_call(tmp_path, 
             http.close()
     finally:
         engine.shutdown()
+
+
+def test_a_clients_request_id_names_the_response(client):
+    response = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=2, extra_body={"request_id": "mine-1"}
+    )
+    assert response.id == "cmpl-mine-1"
+    again = chat(client, max_tokens=2, extra_body={"request_id": "mine-1"})
+    assert again.id == "chatcmpl-mine-1"

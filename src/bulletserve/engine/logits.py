@@ -12,6 +12,7 @@ import torch
 
 from bulletserve.engine.request import Request
 from bulletserve.engine.structured import allocate_bitmask, disallowed
+from bulletserve.model.cpu_kernels import SamplingKernel
 
 
 def wants_processing(request: Request) -> bool:
@@ -26,17 +27,29 @@ def wants_processing(request: Request) -> bool:
     )
 
 
-def process_logits(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+def process_logits(
+    logits: torch.Tensor,
+    requests: list[Request],
+    rows: list[int],
+    kernel: SamplingKernel | None = None,
+) -> None:
     """Apply each row's processing to float32 `logits` ([N, vocab]) in place; `rows` are the
-    rows that want it (`wants_processing`)."""
-    _mask_grammar(logits, requests, [i for i in rows if requests[i].grammar is not None])
+    rows that want it (`wants_processing`). `kernel`: our CPU sampling kernel, which applies
+    grammar masks in one pass (PyTorch's masked_fill took 13 ms for 64 rows of 49K)."""
+    grammar_rows = [i for i in rows if requests[i].grammar is not None]
+    _mask_grammar(logits, requests, grammar_rows, kernel)
     _allow_only(logits, requests, [i for i in rows if requests[i].params.allowed_token_ids])
     _ban_words(logits, requests, [i for i in rows if requests[i].bad_words_ids])
     _add_bias(logits, requests, [i for i in rows if requests[i].params.logit_bias])
     _penalize(logits, requests, [i for i in rows if requests[i].params.has_penalties])
 
 
-def _mask_grammar(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+def _mask_grammar(
+    logits: torch.Tensor,
+    requests: list[Request],
+    rows: list[int],
+    kernel: SamplingKernel | None,
+) -> None:
     if not rows:
         return
     vocab = logits.shape[-1]
@@ -45,6 +58,9 @@ def _mask_grammar(logits: torch.Tensor, requests: list[Request], rows: list[int]
         grammar = requests[row].grammar
         assert grammar is not None
         grammar.fill(bitmask, k)
+    if kernel is not None and logits.device.type == "cpu" and logits.is_contiguous():
+        kernel.mask(logits, torch.tensor(rows), bitmask)
+        return
     index = torch.tensor(rows, device=logits.device)
     banned = disallowed(bitmask.to(logits.device), vocab)
     logits[index] = logits[index].masked_fill_(banned, float("-inf"))
@@ -97,36 +113,33 @@ def _add_bias(logits: torch.Tensor, requests: list[Request], rows: list[int]) ->
 def _penalize(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
     """Presence and frequency penalties over the output's token counts, and the repetition
     penalty over every token of the prompt and the output (divides a positive logit, multiplies
-    a negative one)."""
+    a negative one). Only the entries of tokens a row has seen are touched: a pass over the
+    whole vocabulary per row cost more than the rest of the step at 64 rows."""
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
+    flat = logits.view(-1)
     chosen = [requests[i] for i in rows]
-    counts = torch.zeros(len(rows), vocab, device=device)
-    outputs = [torch.tensor(r.output_token_ids, dtype=torch.long) for r in chosen]
-    lengths = torch.tensor([len(ids) for ids in outputs])
-    if int(lengths.sum()):
-        owner = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-        counts.index_put_(
-            (owner.to(device), torch.cat(outputs).to(device)),
-            torch.ones(int(lengths.sum()), device=device),
-            accumulate=True,
-        )
-    index = torch.tensor(rows, device=device)
-    sub = logits[index]
 
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, device=device).unsqueeze(1)
+    def keys(ids_per_row: list[list[int]]) -> torch.Tensor:
+        """row * vocab + token for every token of every row."""
+        lengths = torch.tensor([len(ids) for ids in ids_per_row])
+        tokens = torch.tensor([t for ids in ids_per_row for t in ids], dtype=torch.long)
+        return torch.repeat_interleave(torch.tensor(rows) * vocab, lengths) + tokens
 
     repetition = [r.params.repetition_penalty for r in chosen]
     if any(p != 1.0 for p in repetition):
-        seen = counts > 0
-        for k, request in enumerate(chosen):
-            seen[k, torch.tensor(request.prompt_token_ids, device=device)] = True
-        factor = column(repetition)
-        penalized = torch.where(sub > 0, sub / factor, sub * factor)
-        sub = torch.where(seen, penalized, sub)
-    frequency = column([r.params.frequency_penalty for r in chosen])
-    presence = column([r.params.presence_penalty for r in chosen])
-    sub -= frequency * counts + presence * (counts > 0)
-    logits[index] = sub
+        seen = torch.unique(keys([r.prompt_token_ids + r.output_token_ids for r in chosen]))
+        factor = torch.tensor(repetition)[
+            torch.searchsorted(torch.tensor(rows) * vocab, seen, right=True) - 1
+        ]
+        seen, factor = seen.to(device), factor.to(device)
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / factor, values * factor)
+    output, counts = torch.unique(keys([r.output_token_ids for r in chosen]), return_counts=True)
+    if len(output):
+        owner = torch.searchsorted(torch.tensor(rows) * vocab, output, right=True) - 1
+        frequency = torch.tensor([r.params.frequency_penalty for r in chosen])[owner]
+        presence = torch.tensor([r.params.presence_penalty for r in chosen])[owner]
+        output = output.to(device)
+        flat[output] -= (frequency * counts + presence).to(device)

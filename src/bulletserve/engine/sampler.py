@@ -61,7 +61,7 @@ class Sampler:
         for row, ids in masked:
             logits[row, list(ids)] = float("-inf")
         if processed:
-            process_logits(logits, requests, processed)
+            process_logits(logits, requests, processed, self._kernel)
         # One uniform per random row, from the request's own generator when it is seeded, so its
         # samples do not depend on its neighbours. (Noise over the whole vocabulary per row, as
         # an exponential race needs, cost 1.5 ms a row on a CPU.)
@@ -74,7 +74,7 @@ class Sampler:
             assert self._kernel is not None
             inverse = [0.0 if r.params.greedy else 1 / _temperature(r) for r in requests]
             tokens = self._kernel(logits.contiguous(), torch.tensor(inverse), uniforms)
-            # Rows with a non-finite logit (a masked stop token's -inf): PyTorch's path.
+            # Rows with a NaN or +inf logit, or every logit masked: PyTorch's path.
             redo = (tokens < 0).nonzero().flatten().tolist()
             if redo:
                 tokens[redo] = _drawn(logits[redo], [requests[i] for i in redo], uniforms[redo])

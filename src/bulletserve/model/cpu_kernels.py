@@ -583,15 +583,38 @@ def fused_ops(dtype: torch.dtype, device: torch.device) -> FusedOps | None:
 
 @dataclass(frozen=True)
 class SamplingKernel:
-    """A token per row of fp32 logits at a temperature (0: the argmax), without top-k or top-p
-    (`csrc/sampling.c`)."""
+    """A token per row of fp32 logits at a temperature (0: the argmax), without top-k or top-p,
+    and the grammar masks of structured outputs (`csrc/sampling.c`)."""
 
     function: ctypes._CFuncPtr
+    mask_function: ctypes._CFuncPtr
+
+    def mask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """-inf, in place, over each of `rows` (int64) of fp32 [N, vocab] `logits` where its
+        row of `bitmask` (int32 [len(rows), ceil(vocab / 32)]) has the token's bit clear."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+            raise ValueError("logits must be contiguous fp32 [rows, vocab]")
+        vocab = logits.shape[1]
+        rows = rows.to(torch.int64).contiguous()
+        words = -(-vocab // 32)
+        if bitmask.dtype != torch.int32 or bitmask.shape != (len(rows), words):
+            raise ValueError(f"bitmask must be int32 [{len(rows)}, {words}]")
+        bitmask = bitmask.contiguous()
+        self.mask_function(
+            logits.data_ptr(),
+            vocab,
+            rows.data_ptr(),
+            len(rows),
+            bitmask.data_ptr(),
+            words,
+            torch.get_num_threads(),
+        )
 
     def __call__(
         self, logits: torch.Tensor, inv_temperatures: torch.Tensor, uniforms: torch.Tensor
     ) -> torch.Tensor:
-        """int64 [rows]: each row's token, or -1 for a row with a non-finite logit.
+        """int64 [rows]: each row's token, or -1 for a row with a NaN or +inf logit, or every
+        logit -inf (masked).
         logits: fp32 [rows, vocab]; inv_temperatures: fp32 [rows] (0 for the argmax);
         uniforms: float64 [rows] in [0, 1]."""
         if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
@@ -622,4 +645,8 @@ def sampling_kernel() -> SamplingKernel | None:
     if library is None:
         return None
     argtypes = [_ptr, _long, _long, _ptr, _ptr, _ptr, _int]
-    return SamplingKernel(_function(library, "sample_rows_f32", argtypes))
+    mask_argtypes = [_ptr, _long, _ptr, _long, _ptr, _long, _int]
+    return SamplingKernel(
+        _function(library, "sample_rows_f32", argtypes),
+        _function(library, "mask_rows_f32", mask_argtypes),
+    )

@@ -165,9 +165,11 @@ class ChatServing:
         if body.echo and last.role == "assistant":
             echo = last.as_template_input()["content"]
         request_id = new_request_id("chatcmpl")
+        # The client's request_id names the response (as vLLM's); the engine's ids stay unique.
+        response_id = f"chatcmpl-{body.request_id}" if body.request_id else request_id
         outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
-            events = _ChatEvents(self, request_id, body.include_usage, mode, echo)
+            events = _ChatEvents(self, response_id, body.include_usage, mode, echo)
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
                 media_type="text/event-stream",
@@ -198,7 +200,7 @@ class ChatServing:
                 ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
             )
         response = ChatCompletionResponse(
-            id=request_id, model=serving.model_name, choices=response_choices, usage=usage(ranked)
+            id=response_id, model=serving.model_name, choices=response_choices, usage=usage(ranked)
         )
         return Response(response.model_dump_json(), media_type="application/json")
 

@@ -77,9 +77,11 @@ class CompletionServing:
             admission.release()
             raise
         request_id = new_request_id("cmpl")
+        # The client's request_id names the response (as vLLM's); the engine's ids stay unique.
+        response_id = f"cmpl-{body.request_id}" if body.request_id else request_id
         outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
-            events = _CompletionEvents(self, request_id, body.include_usage, echoes, width)
+            events = _CompletionEvents(self, response_id, body.include_usage, echoes, width)
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
                 media_type="text/event-stream",
@@ -102,7 +104,7 @@ class CompletionServing:
                 )
             )
         response = CompletionResponse(
-            id=request_id,
+            id=response_id,
             model=serving.model_name,
             choices=response_choices,
             usage=usage([finals[i] for i in sorted(finals)], width),

@@ -279,9 +279,7 @@ class TokenizeRequest(_Request):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true"
-            )
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
 

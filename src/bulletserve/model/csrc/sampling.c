@@ -3,8 +3,12 @@
  * (engine/sampler.py) in two passes over the row: its maximum, then exp((x - max) / T) summed in
  * blocks of CDF_BLOCK entries; the draw finds its block from the block sums and walks only that
  * block again. PyTorch's path reads and writes the row five times (max, subtract, divide,
- * exp, block sums) and takes a tensor op each. A row with a non-finite entry gets -1: the caller
- * draws it through PyTorch, which defines what such a row yields.
+ * exp, block sums) and takes a tensor op each. Entries of -inf (masked: a grammar's, or stop
+ * tokens before min_tokens) have no mass; a row with a NaN or +inf entry, or with every entry
+ * masked, gets -1: the caller draws it through PyTorch, which defines what such a row yields.
+ *
+ * mask_rows_f32 writes those -inf entries for structured outputs: every token whose bit in the
+ * row's grammar bitmask is clear.
  */
 #include <math.h>
 #include <stdint.h>
@@ -12,10 +16,21 @@
 
 #define CDF_BLOCK 1024
 
-/* Whether x is inf or NaN, from its bits (-ffast-math lets the compiler assume neither). */
-static inline int non_finite(float x) {
+/* Whether x is +inf or NaN (-inf is a masked entry), from its bits: -ffast-math lets the
+ * compiler assume neither exists. */
+static inline int bad_entry(float x) {
     union { float f; uint32_t u; } v = {x};
-    return (v.u & 0x7f800000u) == 0x7f800000u;
+    return (v.u & 0x7f800000u) == 0x7f800000u && v.u != 0xff800000u;
+}
+
+static inline float negative_infinity(void) {
+    union { uint32_t u; float f; } v = {0xff800000u};
+    return v.f;
+}
+
+static inline int is_negative_infinity(float x) {
+    union { float f; uint32_t u; } v = {x};
+    return v.u == 0xff800000u;
 }
 
 static long sample_row(const float *row, long vocab, float inv_temperature, double uniform,
@@ -23,10 +38,10 @@ static long sample_row(const float *row, long vocab, float inv_temperature, doub
     float max = row[0];
     int bad = 0;
     for (long i = 0; i < vocab; ++i) { /* vectorizes: no index kept */
-        bad |= non_finite(row[i]);
+        bad |= bad_entry(row[i]);
         max = row[i] > max ? row[i] : max;
     }
-    if (bad) return -1;
+    if (bad || is_negative_infinity(max)) return -1;
     if (inv_temperature == 0.0f) {
         long argmax = 0;
         while (row[argmax] != max) ++argmax;
@@ -81,5 +96,25 @@ void sample_rows_f32(const float *logits, long rows, long vocab, const float *in
             tokens[r] = sample_row(logits + r * vocab, vocab, inv_temperatures[r], uniforms[r],
                                    block_sums);
         free(block_sums);
+    }
+}
+
+/* For each listed row, -inf over every entry whose bit is clear in that row's bitmask (int32
+ * words, bit j of word w for entry 32 w + j; row k of the bitmask for rows[k]). */
+void mask_rows_f32(float *logits, long vocab, const int64_t *rows, long count,
+                   const int32_t *bitmask, long words, int num_threads) {
+    const float masked = negative_infinity();
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (count > 1)
+    for (long k = 0; k < count; ++k) {
+        float *row = logits + rows[k] * vocab;
+        const uint32_t *bits = (const uint32_t *)bitmask + k * words;
+        for (long w = 0; w < words; ++w) {
+            const uint32_t word = bits[w];
+            if (word == 0xffffffffu) continue;
+            const long base = w * 32;
+            const long end = base + 32 < vocab ? base + 32 : vocab;
+            for (long j = base; j < end; ++j)
+                if (!((word >> (j - base)) & 1u)) row[j] = masked;
+        }
     }
 }
