@@ -12,11 +12,11 @@ bookkeeping add to a step.
         --batches 1,16,64,256
 
 `--temperature` 0 (the default) samples greedily; 1 is what a server request without a
-temperature gets, and what `bullet bench` runs. `--constraint json` holds every row to a JSON
+temperature gets, and what `bullet bench` runs. `--constraints json` holds every row to a JSON
 schema (a string of at least 400 characters, so that no row's structure ends within the run),
-`--constraint penalties` gives every row presence, frequency and repetition penalties and a
-logit bias: the per-step cost of what requests ask of their logits. `--breakdown` also profiles the decode steps of
-the largest batch (cProfile) and prints where an engine step's time goes.
+`--constraints penalties` gives every row presence, frequency and repetition penalties and a
+logit bias: the per-step cost of what requests ask of their logits. `--breakdown` also profiles
+the decode steps of the largest batch (cProfile) and prints where an engine step's time goes.
 """
 
 from __future__ import annotations
@@ -142,10 +142,8 @@ def main() -> None:
                 profile if batch == max(batches) and constraint == constraints[-1] else None,
                 constraint,
             )
-            outside = (step - runner) * 1e3
-            print(
-                f"| {batch} | {constraint} | {step * 1e3:.2f} | {runner * 1e3:.2f} | {outside:.2f} |"
-            )
+            times = f"{step * 1e3:.2f} | {runner * 1e3:.2f} | {(step - runner) * 1e3:.2f}"
+            print(f"| {batch} | {constraint} | {times} |")
     if profile is not None:
         print_breakdown(profile, max(batches))
 

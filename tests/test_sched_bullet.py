@@ -26,6 +26,7 @@ from bulletserve.sched.bullet import (
     Split,
     UnitSpace,
 )
+from bulletserve.sched.bullet.types import MODEL_ERROR_STEPS
 
 H100 = load_preset("h100-sxm")
 CPU = dataclasses.replace(
@@ -163,7 +164,7 @@ def test_plans_are_valid(name):
             # Decode rows ride only in a step that runs all layers of a pass no step has begun,
             # carrying every decoding request, with KV for the prompts and the rows; a chunk
             # only of a batch's one prompt, short of its rest.
-            assert prefill_plan.split.rule in ("fused", "fused-ttft-first")
+            assert prefill_plan.split.rule in ("fused", "fused-ttft-first", "chunked-plan")
             assert (prefill_plan.split.prefill, prefill_plan.split.decode) == (total, 0)
             assert (step.layer_start, step.layer_end) == (0, policy.num_layers)
             in_flight = snap.prefill
@@ -180,7 +181,7 @@ def test_plans_are_valid(name):
             need += sum(-(-s.num_tokens // BLOCK) - s.num_blocks for s in snap.decoding)
             assert need <= snap.free_blocks
         else:
-            assert prefill_plan.split.rule not in ("fused", "fused-ttft-first")
+            assert prefill_plan.split.rule not in ("fused", "fused-ttft-first", "chunked-plan")
         scheduled = {s.request_id for s in decode_plan.decode}
         assert scheduled.isdisjoint(decode_plan.preempted)
         assert scheduled | set(decode_plan.preempted) == {s.request_id for s in snap.decoding}
@@ -566,11 +567,44 @@ def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
         assert policy.estimator().at_risk(late.waiting[0], late.now)
         for plan in (policy.plan_prefill(late), policy.plan_decode(late)):
             if name == "cpu":
-                # Beside decode on one thread the prompt would miss its margin: it takes both,
-                # with the decode rows in its step.
-                assert plan.split == Split(total, 0, "fused")
+                # TTFT misses where the lanes take turns: chunked prefill's step, the prompt
+                # with the decode rows on every unit.
+                assert plan.split == Split(total, 0, "chunked-plan")
             else:
                 assert 0 < plan.split.prefill < total
+
+
+def test_the_chunked_plan_fills_the_token_budget_where_the_model_is_off():
+    """With the model's recent predictions off beyond the bound, the prefill lane runs what a
+    chunked engine would: the prompts that fit the token budget beside the decode rows, past
+    the saturation point that caps a batch otherwise, and a chunk of the first prompt where it
+    alone is over the budget."""
+    policy = POLICIES["h100"]
+    off = dataclasses.replace(HOLDING, model_error=0.5)
+    decoding = _decoding(48)
+    prompts = tuple(SeqView(f"w{i}", 100.0, 5000, 0, 0) for i in range(4))
+    plan = policy.plan_prefill(_rule_snapshot(prompts, decoding, off))  # a 16,384-token budget
+    assert plan.split == Split(policy.units.total, 0, "chunked-plan")
+    assert plan.prefill.admitted == ("w0", "w1", "w2") and plan.prefill.chunk is None
+    assert policy.saturation_tokens < 15000  # what caps a batch where the model is trusted
+    assert [s.request_id for s in plan.prefill.decode] == [s.request_id for s in decoding]
+    trusted = policy.plan_prefill(_rule_snapshot(prompts, decoding, HOLDING))
+    assert trusted.split.rule != "chunked-plan"
+    long = (SeqView("long", 100.0, 20_000, 0, 0),)
+    plan = policy.plan_prefill(_rule_snapshot(long, decoding, off))
+    assert plan.split.rule == "chunked-plan" and plan.prefill.chunk == 16320  # 64 x 255
+
+
+def test_the_window_tracks_the_models_recent_error():
+    window = LatencyWindow(Slo(ttft_per_token_s=1e-3, tpot_s=0.1), size=64)
+    for _ in range(MODEL_ERROR_STEPS - 1):
+        window.step(predicted_s=0.1, measured_s=0.2)
+    assert window.stats().model_error is None  # too few steps to judge
+    window.step(predicted_s=0.1, measured_s=0.2)
+    assert window.stats().model_error == pytest.approx(0.5)
+    for _ in range(MODEL_ERROR_STEPS // 2 + 1):
+        window.step(predicted_s=0.2, measured_s=0.2)
+    assert window.stats().model_error == 0.0
 
 
 def test_the_window_counts_ttft_at_the_first_token():
@@ -649,6 +683,10 @@ RULE_CASES = {
         make_policy(CPU, partition="static", static=Split(1, 1, "static")),
         _rule_snapshot(PROMPT, _decoding(4), HOLDING),
     ),
+    "chunked-plan": (
+        POLICIES["h100"],
+        _rule_snapshot(PROMPT, _decoding(4), dataclasses.replace(HOLDING, model_error=0.5)),
+    ),
     "fused-ttft-first": (
         dataclasses.replace(POLICIES["h100"], slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.03)),
         _rule_snapshot(
@@ -701,7 +739,7 @@ def test_each_rule_fires_by_name_in_both_lanes_plans(rule):
     assert prefill_plan.split.rule == decode_plan.split.rule == rule
     assert prefill_plan.split == decode_plan.split
     check_split(policy, prefill_plan.split)
-    fused = rule in ("fused", "fused-ttft-first")
+    fused = rule in ("fused", "fused-ttft-first", "chunked-plan")
     assert bool(prefill_plan.prefill and prefill_plan.prefill.decode) == fused
 
 

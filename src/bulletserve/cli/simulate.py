@@ -58,6 +58,13 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "--device-memory-gib", type=float, help="device memory (default: the preset's datasheet)"
     )
     device.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks, exactly")
+    device.add_argument(
+        "--device-slowdown",
+        type=float,
+        default=1.0,
+        help="the modeled device runs this many times slower than the profile predicts, while "
+        "the policy believes the profile and corrects itself online (default 1)",
+    )
 
     engine = parser.add_argument_group("engine (defaults as bullet serve)")
     engine.add_argument("--policy", default="bullet", choices=POLICIES)
@@ -184,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         device_memory_gib=args.device_memory_gib,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        device_slowdown=args.device_slowdown,
         label=args.label,
     )
     try:

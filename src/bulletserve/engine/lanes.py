@@ -323,6 +323,7 @@ class Lanes:
         predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
         if self.clock.measures:
             self.perf.observe(es, lane, measured)
+            self.core.window.step(predicted, measured)
         if predicted > 0:
             self.prediction_error[lane] = abs(predicted / measured - 1)
         if self.engine.step_log:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile
@@ -81,19 +82,37 @@ class StepPrediction:
         return max(self.prefill_s, self.decode_s)
 
 
+def size_bucket(es: ExecutionState, phase: str) -> int:
+    """The size class of `phase` of `es` for the online correction: log2 of its rows (a
+    prefill's tokens, fused decode rows included; a decode's sequences), so that a model off by
+    a different factor for small and large steps is corrected for each."""
+    rows = sum(es.prefill_lens) if phase == "prefill" else len(es.decode_ctx)
+    return max(rows, 1).bit_length() - 1
+
+
 @dataclass(frozen=True)
 class Corrections:
     """The online corrections at one moment: per phase, measured over predicted for steps
-    alone, and a further factor for steps beside the other lane's. A value, so a policy can
-    take them in its snapshot and predict exactly as the engine did when it planned."""
+    alone, over all sizes and per size bucket (`size_bucket`; a bucket without observations
+    takes the phase's), and a further factor for steps beside the other lane's. A value, so a
+    policy can take them in its snapshot and predict exactly as the engine did when it
+    planned."""
 
     prefill: float = 1.0
     decode: float = 1.0
     corun_prefill: float = 1.0
     corun_decode: float = 1.0
+    # (phase, size bucket) -> measured over predicted, for the buckets observed
+    buckets: tuple[tuple[tuple[str, int], float], ...] = ()
 
-    def factor(self, phase: str, corun: bool) -> float:
+    @cached_property
+    def _by_bucket(self) -> dict[tuple[str, int], float]:
+        return dict(self.buckets)
+
+    def factor(self, phase: str, corun: bool, bucket: int | None = None) -> float:
         alone = self.prefill if phase == "prefill" else self.decode
+        if bucket is not None and self.buckets:
+            alone = self._by_bucket.get((phase, bucket), alone)
         if not corun:
             return alone
         return alone * (self.corun_prefill if phase == "prefill" else self.corun_decode)
@@ -133,6 +152,10 @@ class PerfModel:
         )
         self.correction_weight = correction_weight
         self.corrections = Corrections()
+        # Observations so far per correction (phase, corun phase, or (phase, bucket)): the
+        # first ones are averaged (weight 1/n) before the EWMA takes over, so a cold model
+        # converges in a few steps of each kind.
+        self._observed: dict[object, int] = {}
         self._c_peak = hw.peak_flops[dtype]
         self._tile = hw.gemm_tile if hw.kind == "gpu" else None
         # Per scope: (flop coeffs, byte coeffs, fixed bytes, gemm cols, gemm rows index).
@@ -305,37 +328,68 @@ class PerfModel:
         cal = self.hw.calibration
         return cal.host_s_per_step + cal.host_s_per_row * rows
 
+    def uncorrected(self, es: ExecutionState) -> StepPrediction:
+        """Prefill and decode step times of `es` before any online correction."""
+        corun = es.has_prefill and es.has_decode
+        return StepPrediction(
+            self._phase_time(es, "prefill", corun), self._phase_time(es, "decode", corun)
+        )
+
     def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
         """Prefill and decode step times of `es` in seconds (0 for an idle lane), under
         `corrections` (None: the model's own, as `observe` last left them)."""
         corun = es.has_prefill and es.has_decode
         c = self.corrections if corrections is None else corrections
-        return StepPrediction(
-            self._phase_time(es, "prefill", corun) * c.factor("prefill", corun),
-            self._phase_time(es, "decode", corun) * c.factor("decode", corun),
-        )
+        raw = self.uncorrected(es)
+        prefill = raw.prefill_s
+        if prefill:
+            prefill *= c.factor("prefill", corun, size_bucket(es, "prefill"))
+        decode = raw.decode_s
+        if decode:
+            decode *= c.factor("decode", corun, size_bucket(es, "decode"))
+        return StepPrediction(prefill, decode)
 
     def observe(self, es: ExecutionState, phase: str, measured_s: float) -> None:
-        """Fold one measured step time of `phase` into its running correction: the phase's
-        own for a step alone, the co-running factor on top of it for a step beside the other
-        lane's."""
+        """Fold one measured step time of `phase` into its running corrections: a step alone
+        moves the phase's own and its size bucket's, a step beside the other lane's the
+        co-running factor on top of them."""
         if phase not in PREDICT_PHASES:
             raise ValueError(f"unknown phase {phase!r}; expected 'prefill' or 'decode'")
         corun = es.has_prefill and es.has_decode
-        predicted = self._phase_time(es, phase, corun)
+        raw = self.uncorrected(es)
+        predicted = raw.prefill_s if phase == "prefill" else raw.decode_s
         if predicted <= 0.0 or measured_s <= 0.0:
             return
         ratio = measured_s / predicted
         if not _RATIO_BAND[0] <= ratio <= _RATIO_BAND[1]:
             return
-        w, c = self.correction_weight, self.corrections
-        alone = c.factor(phase, corun=False)
+        c = self.corrections
+        bucket = (phase, size_bucket(es, phase))
         if corun:
             key = f"corun_{phase}"
-            updated = (1 - w) * getattr(c, key) + w * ratio / alone
-        else:
-            key, updated = phase, (1 - w) * alone + w * ratio
-        self.corrections = replace(c, **{key: updated})
+            alone = c.factor(phase, corun=False, bucket=bucket[1])
+            updated = self._blend(key, getattr(c, key), ratio / alone)
+            self.corrections = replace(c, **{key: updated})
+            return
+        buckets = dict(c.buckets)
+        buckets[bucket] = self._blend(bucket, buckets.get(bucket, getattr(c, phase)), ratio)
+        self.corrections = replace(
+            c,
+            **{phase: self._blend(phase, getattr(c, phase), ratio)},
+            buckets=tuple(sorted(buckets.items())),
+        )
+
+    def reset_corrections(self) -> None:
+        """Forget every observation: the model as a new engine starts it."""
+        self.corrections = Corrections()
+        self._observed.clear()
+
+    def _blend(self, key: object, current: float, ratio: float) -> float:
+        """The correction `key` after one more observed ratio: the mean of the first ones, then
+        an EWMA of weight `correction_weight`."""
+        seen = self._observed[key] = self._observed.get(key, 0) + 1
+        weight = max(self.correction_weight, 1.0 / seen)
+        return (1 - weight) * current + weight * ratio
 
 
 def _all_reduce_curve(hw: HardwareProfile, ranks: int) -> AllReduceTime | None:

@@ -1,9 +1,11 @@
 """The modeled device: step durations from the performance model, with seeded noise, and the
 two lanes' steps progressing on it.
 
-Predictions are cached by execution state (the simulator never calls `observe`, so a state's
-prediction never changes). Noise is multiplicative and log-normal, exp(N(0, noise)), drawn once
-per step from a seeded generator: 0 gives the model's predictions exactly.
+The device runs at the performance model's uncorrected predictions (cached by execution state)
+times `slowdown`: 1 is a device exactly as the profile believes it, 2 one twice as slow (a
+profile that is wrong, or none: the model's error test). Noise is multiplicative and log-normal,
+exp(N(0, noise)), drawn once per step from a seeded generator: 0 gives the model's predictions
+exactly.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from bulletserve.executor.record import Lane
 from bulletserve.executor.single import SingleStep
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile
-from bulletserve.perf.model import Corrections, PerfModel, StepPrediction
+from bulletserve.perf.model import PerfModel, StepPrediction
 from bulletserve.perf.state import ExecutionState
 
 
 class CachedPerfModel(PerfModel):
-    """A PerfModel whose predictions are memoized; the policy and the simulator share it."""
+    """A PerfModel whose uncorrected predictions are memoized; the policy and the simulator
+    share it (the policy under its online corrections, the device without them)."""
 
     def __init__(
         self,
@@ -34,16 +37,19 @@ class CachedPerfModel(PerfModel):
         super().__init__(cfg, hw, dtype, tensor_parallel_size=tensor_parallel_size)
         self._cache: dict[ExecutionState, StepPrediction] = {}
 
-    def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
-        if corrections is not None and corrections is not self.corrections:
-            return super().predict(es, corrections)
+    def uncorrected(self, es: ExecutionState) -> StepPrediction:
         hit = self._cache.get(es)
         if hit is None:
-            hit = self._cache[es] = super().predict(es)
+            hit = self._cache[es] = super().uncorrected(es)
         return hit
 
-    def observe(self, es: ExecutionState, phase: str, measured_s: float) -> None:
-        raise RuntimeError("the simulated device has no measurements to fold in")
+    def device_s(self, es: ExecutionState, slowdown: float) -> StepPrediction:
+        """What the modeled device takes for `es` (before noise): the uncorrected prediction
+        times `slowdown`."""
+        raw = self.uncorrected(es)
+        if slowdown == 1.0:
+            return raw
+        return StepPrediction(raw.prefill_s * slowdown, raw.decode_s * slowdown)
 
 
 class Noise:
@@ -72,11 +78,11 @@ class SingleTiming:
 
 
 def time_single_step(
-    perf: CachedPerfModel, noise: Noise, step: SingleStep, units: int
+    perf: CachedPerfModel, noise: Noise, step: SingleStep, units: int, slowdown: float = 1.0
 ) -> SingleTiming:
     """The modeled time of a step about to run (before `end_single_step`)."""
     es, phase = step.execution_state(units)
-    prediction = perf.predict(es)
+    prediction = perf.device_s(es, slowdown)
     predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
     sampled = sum(r.num_computed_tokens + n == r.num_tokens for r, n in step.batch)
     return SingleTiming(es, predicted, predicted * noise.factor(), perf.host_s(sampled))
@@ -108,8 +114,10 @@ class ModeledLanes:
     exactly while both lanes run. The simulator and a virtual clock under the real engine time
     lane steps with it."""
 
-    def __init__(self, core: LaneCore, perf: CachedPerfModel, noise: Noise) -> None:
-        self.core, self.perf, self.noise = core, perf, noise
+    def __init__(
+        self, core: LaneCore, perf: CachedPerfModel, noise: Noise, slowdown: float = 1.0
+    ) -> None:
+        self.core, self.perf, self.noise, self.slowdown = core, perf, noise, slowdown
         self.timing: dict[Lane, Timing | None] = dict.fromkeys(LANES)
 
     def start(self, step: LaneStep, now: float) -> None:
@@ -136,7 +144,7 @@ class ModeledLanes:
     def rerate(self, now: float) -> None:
         """Fold the time run so far into each step's progress, then set its rate for what runs
         from now on."""
-        prediction = self.perf.predict(self.core.execution_state())
+        prediction = self.perf.device_s(self.core.execution_state(), self.slowdown)
         for lane, timing in self.timing.items():
             if timing is None:
                 continue

@@ -45,7 +45,7 @@ import numpy as np
 from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult, load_result
 from bulletserve.executor.record import StepRecord, read_step_log
-from bulletserve.perf.model import Corrections, StepPrediction
+from bulletserve.perf.model import StepPrediction
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import parse_partition
 from bulletserve.sim.device import CachedPerfModel
@@ -169,8 +169,8 @@ class HostTaxedPerfModel(CachedPerfModel):
         super().__init__(perf.cfg, perf.hw, perf.dtype)
         self.per_row_s = per_row_s
 
-    def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
-        base = super().predict(es, corrections)
+    def uncorrected(self, es: ExecutionState) -> StepPrediction:
+        base = super().uncorrected(es)
         return StepPrediction(
             prefill_s=base.prefill_s + self.per_row_s * len(es.prefill_lens),
             decode_s=base.decode_s + self.per_row_s * len(es.decode_ctx),
@@ -195,8 +195,8 @@ class ScaledPerfModel(CachedPerfModel):
         super().__init__(perf.cfg, perf.hw, perf.dtype)
         self.speed = speed
 
-    def predict(self, es: ExecutionState, corrections: Corrections | None = None) -> StepPrediction:
-        base = super().predict(es, corrections)
+    def uncorrected(self, es: ExecutionState) -> StepPrediction:
+        base = super().uncorrected(es)
         return StepPrediction(
             prefill_s=base.prefill_s * self.speed.factors["prefill"],
             decode_s=base.decode_s * self.speed.factors["decode"],

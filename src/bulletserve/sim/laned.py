@@ -10,6 +10,11 @@ and wakes the other lane. On one event, lanes act prefill first.
 Durations: a lane's step progresses at the rate the performance model predicts for what runs on
 the device, re-evaluated whenever the other lane starts or ends a step, so co-running
 contention applies exactly while both lanes run. Each step draws one noise factor.
+
+On a device slower or faster than the model believes (`slowdown` other than 1), each step's
+modeled time feeds the policy's online correction as the engine feeds it each measured step
+(`PerfModel.observe`). At 1 there is nothing to learn: the device runs at the model's
+predictions (the engine on the simulator's virtual clock does not observe either).
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ class LanedSimulator:
         noise: Noise,
         max_num_seqs: int,
         max_prefill_tokens: int,
+        slowdown: float = 1.0,
     ) -> None:
         self.state, self.perf, self.noise = state, perf, noise
         self.core: LaneCore[SimRequest] = LaneCore(
             state.book, policy, max_num_seqs, max_prefill_tokens
         )
-        self.device = ModeledLanes(self.core, perf, noise)
+        self.device = ModeledLanes(self.core, perf, noise, slowdown)
+        self.learns = slowdown != 1.0
         self.wake_at: dict[Lane, float | None] = dict.fromkeys(LANES)  # None: not waiting
         self.ready: set[Lane] = set(LANES)
 
@@ -114,6 +121,14 @@ class LanedSimulator:
         timing = self.device.end(lane, now)
         step = self.core.end_step(lane)
         self.device.rerate(now)
+        if self.learns:
+            # What the policy predicted (under the corrections it planned with) against what
+            # the device took, as the engine's lanes see each measured step.
+            measured = now - timing.started - timing.host_s
+            prediction = self.perf.predict(step.state)
+            predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
+            self.core.window.step(predicted, measured)
+            self.perf.observe(step.state, lane, measured)
         if lane == "prefill" and step.layers[1] == self.core.num_layers:
             ended = self.core.end_pass(lambda request: False)
             for request in ended.joined:

@@ -70,6 +70,9 @@ class SimConfig:
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     device_memory_gib: float | None = None
     num_gpu_blocks_override: int | None = None
+    # The modeled device runs this many times slower than the profile predicts (the policy
+    # still believes the profile, and corrects itself online as the engine does).
+    device_slowdown: float = 1.0
     label: str | None = None
 
 
@@ -201,13 +204,29 @@ def simulate_requests(
         prefix_caching=config.enable_prefix_caching,
     )
     noise = Noise(config.noise, config.seed)
+    env.perf.reset_corrections()  # each run starts cold, as a new server does
+    slowdown = config.device_slowdown
+    if not (slowdown > 0 and math.isfinite(slowdown)):
+        raise SimSetupError(f"--device-slowdown must be a positive number, not {slowdown}")
     if isinstance(policy, BulletPolicy):
         end = LanedSimulator(
-            state, policy, env.perf, noise, config.max_num_seqs, config.max_num_batched_tokens
+            state,
+            policy,
+            env.perf,
+            noise,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            slowdown,
         ).run()
     else:
         end = run_single_lane(
-            state, policy, env.perf, noise, config.max_num_seqs, config.max_num_batched_tokens
+            state,
+            policy,
+            env.perf,
+            noise,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            slowdown,
         )
     if state.book.allocator.num_free != state.book.allocator.num_blocks:
         raise RuntimeError("KV blocks leaked: the pool is not empty after the run")

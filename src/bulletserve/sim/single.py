@@ -21,8 +21,10 @@ def run_single_lane(
     noise: Noise,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    slowdown: float = 1.0,
 ) -> float:
-    """Run every request to the end; returns the simulated time the last one finished."""
+    """Run every request to the end on a device `slowdown` times slower than the model
+    predicts; returns the simulated time the last one finished."""
     units = perf.hw.units
     now = 0.0
     while True:
@@ -38,7 +40,7 @@ def run_single_lane(
                 return now
             now = max(now, arrival)
             continue
-        timing = time_single_step(perf, noise, step, units)
+        timing = time_single_step(perf, noise, step, units, slowdown)
         end_single_step(state.book, step)
         now += timing.measured_s + timing.host_s
         for request in step.sampled():

@@ -27,6 +27,10 @@ class BulletParams:
     # A prefill batch grows until a prompt token costs more than this share of the cheapest
     # per-token cost of a smaller batch (the device is saturated past it).
     saturation_ratio: float = 0.9
+    # Beyond this median relative error of its recent predictions the performance model is
+    # not trusted: the policy runs chunked prefill's plan until it has caught up (rule
+    # `chunked-plan`).
+    model_error_bound: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0 < self.risk_share <= 1 or not 0 < self.tpot_headroom <= 1:
@@ -37,6 +41,8 @@ class BulletParams:
             raise ValueError("chunk_granule and stats_window must be at least 1")
         if not 0 < self.saturation_ratio < 1:
             raise ValueError("saturation_ratio must be in (0, 1)")
+        if self.model_error_bound <= 0:
+            raise ValueError("model_error_bound must be positive")
 
 
 @dataclass(frozen=True)

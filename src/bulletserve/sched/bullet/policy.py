@@ -85,7 +85,8 @@ class BulletPolicy:
             batch = self._form_batch(snap, est)
             admitted, done = tuple(s.request_id for s in batch), 0
         step = self._next_step(batch, admitted, done)
-        choice = choose(self.situation(snap, batch, step, bool(snap.decoding), est), self.rules)
+        situation = self.situation(snap, batch, step, bool(snap.decoding), est)
+        choice = choose(situation, self.rules)
         fusion = choice.fusion
         if fusion is not None:
             if admitted:
@@ -151,6 +152,7 @@ class BulletPolicy:
             partition=self.partition,
             static_split=self.static_split,
             fuse_decode=self.fuse_decode,
+            widen=lambda: self._form_batch(snap, est or self.estimator(snap.corrections), False),
         )
 
     def _next_step(
@@ -174,10 +176,12 @@ class BulletPolicy:
         rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
         return at_risk + rest
 
-    def _form_batch(self, snap: BulletSnapshot, est: Estimator) -> tuple[SeqView, ...]:
-        """Whole prompts in order while the batch is below the compute-saturation point and
-        fits the token, sequence and KV budgets. No overtaking: the first that does not fit
-        ends the batch, so an at-risk request is never passed over."""
+    def _form_batch(
+        self, snap: BulletSnapshot, est: Estimator, saturate: bool = True
+    ) -> tuple[SeqView, ...]:
+        """Whole prompts in order while the batch is below the compute-saturation point (with
+        `saturate`) and fits the token, sequence and KV budgets. No overtaking: the first that
+        does not fit ends the batch, so an at-risk request is never passed over."""
         batch: list[SeqView] = []
         tokens = 0
         free = snap.free_blocks
@@ -187,7 +191,7 @@ class BulletPolicy:
         for seq in self.order_waiting(snap, est):
             need = -(-seq.num_tokens // snap.block_size) - seq.num_blocks
             if batch and (
-                tokens >= self.saturation_tokens
+                (saturate and tokens >= self.saturation_tokens)
                 or tokens + seq.num_remaining > snap.max_prefill_tokens
             ):
                 break

@@ -42,6 +42,9 @@ class Situation:
     partition: PartitionMode
     static_split: Split | None
     fuse_decode: bool
+    # The batch without the compute-saturation cap (chunked prefill's, up to the token
+    # budget), formed only if a rule asks (None: the batch itself).
+    widen: Callable[[], tuple[SeqView, ...]] | None = None
 
     @property
     def total(self) -> int:
@@ -107,6 +110,53 @@ class Situation:
         )
 
     @cached_property
+    def model_off(self) -> bool:
+        """The performance model's recent predictions are off by more than the bound."""
+        error = self.snap.stats.model_error
+        return error is not None and error > self.est.params.model_error_bound
+
+    @property
+    def _may_fuse(self) -> bool:
+        """A fused step can run: fusing is on, and the next step is a whole pass that no
+        running step has begun (its decode rows run every layer in it)."""
+        step, snap = self.step, self.snap
+        return (
+            self.fuse_decode
+            and step is not None
+            and step.layer_start == 0
+            and step.layer_end == self.est.num_layers
+            and not (snap.prefill is not None and snap.prefill.stepping)
+        )
+
+    @cached_property
+    def chunked_fusion(self) -> Fusion | None:
+        """The step chunked prefill would run now, as a fused step: every decoding request's
+        next token and the prompts from the front (of the batch without the saturation cap)
+        whose tokens fit the token budget beside those rows, or a chunk of the first prompt
+        that fills it. None where a fused step cannot run."""
+        if not self._may_fuse or not self.snap.decoding:
+            return None
+        snap = self.snap
+        batch = self.widen() if self.widen is not None and snap.prefill is None else self.batch
+        if not batch:
+            return None
+        decode_ctx = tuple(s.num_tokens for s in snap.decoding)
+        if snap.prefill is not None and len(batch) > 1:
+            # A batch already admitted runs whole: only a batch of one prompt is chunked.
+            return self.est.fused_step(batch, None, decode_ctx)
+        granule = self.est.params.chunk_granule
+        room = max((snap.max_prefill_tokens - len(decode_ctx)) // granule * granule, granule)
+        count, tokens = 0, 0
+        for seq in batch:
+            if tokens + seq.num_remaining > room:
+                break
+            count, tokens = count + 1, tokens + seq.num_remaining
+        if count:
+            return self.est.fused_step(batch[:count], None, decode_ctx)
+        # The first prompt alone is over the budget: a chunk of it that fills the budget.
+        return self.est.fused_step(batch[:1], room, decode_ctx)
+
+    @cached_property
     def fusion(self) -> Fusion | None:
         """The fused step to weigh against the other ways of running, or None where fusing is
         off or cannot be done: the decode rows run every layer in the step, so it must be a
@@ -115,16 +165,9 @@ class Situation:
         most of the batch that fits the TPOT budget, or 1.5x the SLO while TTFT misses and TPOT
         holds; where not even a chunk fits, the whole batch on a device whose lanes take turns
         (decode waits out the prefill anyway), none on one whose lanes share."""
-        step, snap = self.step, self.snap
-        if (
-            not self.fuse_decode
-            or step is None
-            or step.layer_start != 0
-            or step.layer_end != self.est.num_layers
-            or (snap.prefill is not None and snap.prefill.stepping)
-        ):
+        if not self._may_fuse:
             return None
-        est = self.est
+        snap, est = self.snap, self.est
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         budget = est.tpot_budget_s
         limit = est.slo.tpot_s * est.params.late_fused_step_limit if self._late else budget
@@ -192,6 +235,16 @@ def _static(s: Situation) -> Choice | None:
     return Choice(s.static_split)
 
 
+def _chunked_plan(s: Situation) -> Choice | None:
+    """Chunked prefill's plan where the model is not trusted (its recent predictions are off
+    beyond the bound) or, on a device whose lanes take turns, while TTFT misses: prompts up to
+    the token budget ride with the decode rows, as a chunked engine's hybrid step."""
+    if not (s.model_off or (s.traits.takes_turns and not s.ttft_ok)):
+        return None
+    fusion = s.chunked_fusion
+    return None if fusion is None else Choice(Split(s.total, 0, "chunked-plan"), fusion)
+
+
 def _fused_ttft_first(s: Situation) -> Choice | None:
     fusion = s.winning_fusion
     if fusion is None or not fusion.ttft_first:
@@ -250,6 +303,13 @@ RULES: tuple[Rule, ...] = (
     Rule("no-prefill", "Algorithm 1", "nothing to prefill: decode gets every unit", _no_prefill),
     Rule("no-decode", "Algorithm 1", "nothing to decode: prefill gets every unit", _no_decode),
     Rule("static", "ablation", "--partition static:P/D: a fixed split", _static),
+    Rule(
+        "chunked-plan",
+        "extension",
+        "the model is off, or TTFT misses where the lanes take turns: chunked prefill's step, "
+        "prompts up to the token budget fused with the decode rows",
+        _chunked_plan,
+    ),
     Rule(
         "fused-ttft-first",
         "extension",

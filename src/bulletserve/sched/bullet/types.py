@@ -78,6 +78,13 @@ class LatencyStats:
 
     p90_ttft_over_slo: float | None = None  # TTFT as a fraction of the request's TTFT SLO
     p90_tpot_s: float | None = None
+    # The performance model's recent error: median |predicted / measured - 1| of the last
+    # MODEL_ERROR_STEPS steps (None until there are that many).
+    model_error: float | None = None
+
+
+# Steps behind `LatencyStats.model_error`: enough that one stalled step does not count.
+MODEL_ERROR_STEPS = 16
 
 
 class LatencyWindow:
@@ -91,6 +98,7 @@ class LatencyWindow:
         self.slo = slo
         self.ttft_over_slo: deque[float] = deque(maxlen=size)
         self.tpot: deque[float] = deque(maxlen=size)
+        self.step_errors: deque[float] = deque(maxlen=MODEL_ERROR_STEPS)
 
     def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
         self.ttft_over_slo.append(ttft_s / self.slo.ttft_s(prompt_tokens))
@@ -100,8 +108,18 @@ class LatencyWindow:
         if tpot_s is not None:
             self.tpot.append(tpot_s)
 
+    def step(self, predicted_s: float, measured_s: float) -> None:
+        """A lane's step ended: how far the performance model's prediction (under the
+        corrections it was planned with) was from its measured time."""
+        if predicted_s > 0 and measured_s > 0:
+            self.step_errors.append(abs(predicted_s / measured_s - 1))
+
     def stats(self) -> LatencyStats:
-        return LatencyStats(_p90(self.ttft_over_slo), _p90(self.tpot))
+        errors = self.step_errors
+        model_error = None
+        if len(errors) == errors.maxlen:
+            model_error = sorted(errors)[len(errors) // 2]
+        return LatencyStats(_p90(self.ttft_over_slo), _p90(self.tpot), model_error)
 
 
 def _p90(values: deque[float]) -> float | None:
