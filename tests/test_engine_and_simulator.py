@@ -23,7 +23,7 @@ from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_r
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 256
-SLO_MS = SLO(ttft_per_token_ms=2.0, tpot_ms=40.0, ttft_base_ms=20.0)
+SLO_MS = SLO(ttft_per_token_ms=2.0, tpot_ms=15.0, ttft_base_ms=20.0)
 # A 2-thread CPU, modeled: where the threads split compute and bandwidth evenly the lanes share
 # nothing (`turns`, `fused`); where one thread has all the bandwidth, sharing pays.
 PROFILES = {
@@ -180,8 +180,11 @@ def test_engine_and_simulator_make_the_same_decisions(
     assert len(steps) > 20
     assert _decisions(steps) == _decisions(sim)
     if policy == "bullet" and partition == "auto":
+        # TPOT both holds and misses in these runs: chunked prefill's plan, and the rules that
+        # size steps to TPOT.
         rules = {s.rule for s in steps}
-        assert rules & {"fused", "fused-ttft-first", "decode-fewest", "turns"}, rules
+        assert "chunked-plan" in rules, rules
+        assert rules & {"fused", "fused-ttft-first", "decode-fewest", "decode-grows", "turns"}
 
 
 @pytest.mark.parametrize("policy", ["bullet", "chunked"])

@@ -139,6 +139,28 @@ def test_online_correction_tracks_drift():
     assert model.predict(es).prefill_s == pytest.approx(truth, rel=0.01)
 
 
+def test_a_cold_model_converges_per_size_bucket_within_a_few_steps():
+    """A device the model misjudges by a different factor for small and large steps (a cold
+    server's quick roofline against a CPU's real speeds): after five steps of each size, every
+    size's prediction is within 10% of its measured time, and a size never seen takes the
+    phase's correction."""
+    model = PerfModel(LLAMA, H100)
+    truth = {16: 3.0, 256: 1.8, 2048: 0.6}  # measured over predicted, by prompt tokens
+    states = {n: ExecutionState(prefill_lens=(n,), prefill_units=132) for n in truth}
+    uncorrected = {n: model.predict(es).prefill_s for n, es in states.items()}
+    for _ in range(5):
+        for n, es in states.items():
+            model.observe(es, "prefill", truth[n] * uncorrected[n])
+    for n, es in states.items():
+        assert model.predict(es).prefill_s == pytest.approx(truth[n] * uncorrected[n], rel=0.1)
+    unseen = ExecutionState(prefill_lens=(64,), prefill_units=132)
+    assert model.predict(unseen).prefill_s == pytest.approx(
+        model.corrections.prefill * model.uncorrected(unseen).prefill_s
+    )
+    model.reset_corrections()
+    assert model.predict(states[16]).prefill_s == uncorrected[16]
+
+
 def test_co_running_steps_learn_a_factor_on_top_of_the_drift():
     """Steps alone track the machine's drift; co-running steps only what the profile's
     co-running points miss beyond it, so a run of steps alone does not erase it."""

@@ -193,7 +193,8 @@ def test_bullet_fuses_decode_rows_into_prefill_steps(tmp_path, device):
     bandwidth scales with SMs, so sharing the SMs is zero-sum too), prefill steps carry the
     decode rows as the engine's do: each such step runs alone, for exactly what the model
     predicts of its fused batch (on the GPU within the TPOT budget, or the longer limit while
-    TTFT misses and TPOT holds), and every request still
+    TTFT misses and TPOT holds; on the CPU chunked prefill's plan while TPOT holds), and every
+    request still
     finishes with every block back. With arxiv-sum-like prompts (thousands of tokens), too long
     for one fused step within the budget, the prompts ride in chunks, each on top of the KV of
     the chunks before it."""
@@ -223,7 +224,7 @@ def test_bullet_fuses_decode_rows_into_prefill_steps(tmp_path, device):
     path = tmp_path / "steps.jsonl"
     result = simulate(config, step_log=path)
     steps = read_step_log(path)
-    fused = [r for r in steps if r.rule in ("fused", "fused-ttft-first")]
+    fused = [r for r in steps if r.rule in ("fused", "fused-ttft-first", "chunked-plan")]
     assert fused and all(r.lane == "prefill" and r.decode_rows > 0 for r in fused)
     for r in fused:
         es = r.state

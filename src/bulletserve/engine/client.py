@@ -116,6 +116,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     # lane -> (units it has now, last relative prediction error); one lane (or replicas): none.
     lane_units: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    # Step kind (prefill, fused, decode) -> (predicted, measured) seconds, each a running mean
+    # of recent steps: how well the performance model knows the device (bullet only).
+    step_times: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(

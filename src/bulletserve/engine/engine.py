@@ -274,6 +274,7 @@ class LLMEngine:
             prefix_cache_queries=book.prefix_queries,
             prefix_cache_hits=book.prefix_hits,
             lane_units=self.lane_units(),
+            step_times=self.executor.step_times(),
         )
 
     def close(self) -> None:
@@ -451,6 +452,10 @@ class Executor(Protocol):
     def num_running(self) -> int: ...
 
     def lane_units(self) -> dict[str, tuple[int, float | None]]: ...
+
+    def step_times(self) -> dict[str, tuple[float, float]]:
+        """Step kind -> (predicted, measured) seconds of recent steps (none without a model)."""
+        ...
 
     def outputs_handed_off(self) -> None: ...
 

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Weight of each step in /metrics' running means of predicted and measured step times.
+STEP_TIME_WEIGHT = 0.1
+
 T = TypeVar("T")
 
 
@@ -81,6 +84,8 @@ class Lanes:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.prediction_error: dict[str, float] = {}  # lane -> last |predicted/measured - 1|
+        # Step kind -> running means of (predicted, measured) seconds, for /metrics.
+        self._step_times: dict[str, tuple[float, float]] = {}
         self.lane_error: BaseException | None = None
         # The decode lane samples inside its step, on the step's units and outside the state
         # lock, where the prefill lane may sample at the same time: a generator of its own
@@ -180,6 +185,9 @@ class Lanes:
             "prefill": (split.prefill, self.prediction_error.get("prefill")),
             "decode": (split.decode, self.prediction_error.get("decode")),
         }
+
+    def step_times(self) -> dict[str, tuple[float, float]]:
+        return dict(self._step_times)
 
     def step(self) -> list[RequestOutput]:
         """Start the lanes on first use; return the outputs they produced since the last call
@@ -326,6 +334,12 @@ class Lanes:
             self.core.window.step(predicted, measured)
         if predicted > 0:
             self.prediction_error[lane] = abs(predicted / measured - 1)
+            kind = "decode" if lane == "decode" else ("fused" if step.fused else "prefill")
+            old = self._step_times.get(kind, (predicted, measured))
+            self._step_times[kind] = (
+                (1 - STEP_TIME_WEIGHT) * old[0] + STEP_TIME_WEIGHT * predicted,
+                (1 - STEP_TIME_WEIGHT) * old[1] + STEP_TIME_WEIGHT * measured,
+            )
         if self.engine.step_log:
             record = step.record(self.clock.now(), measured, predicted, runner_s)
             write_step(self.engine.step_log, record)

@@ -120,6 +120,9 @@ class SingleLane:
     def lane_units(self) -> dict[str, tuple[int, float | None]]:
         return {}
 
+    def step_times(self) -> dict[str, tuple[float, float]]:
+        return {}  # the one-lane policies plan without a performance model
+
     def outputs_handed_off(self) -> None:
         pass
 

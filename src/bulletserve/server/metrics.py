@@ -90,6 +90,20 @@ class _EngineCollector(Collector):
                     error.add_metric([self.model_name, lane], last_error)
             yield units
             yield error
+        if stats.step_times:
+            families = [
+                GaugeMetricFamily(
+                    f"bullet:step_{which}_seconds",
+                    f"Running mean of recent steps' {which} seconds, per step kind (prefill, "
+                    "fused, decode): the performance model's predictions against the device.",
+                    labels=["model_name", "kind"],
+                )
+                for which in ("predicted", "measured")
+            ]
+            for kind, times in stats.step_times.items():
+                for family, seconds in zip(families, times, strict=True):
+                    family.add_metric([self.model_name, kind], seconds)
+            yield from families
 
 
 # Our metrics that vLLM exports too, under the same name with its `vllm:` prefix.

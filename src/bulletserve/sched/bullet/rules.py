@@ -236,10 +236,14 @@ def _static(s: Situation) -> Choice | None:
 
 
 def _chunked_plan(s: Situation) -> Choice | None:
-    """Chunked prefill's plan where the model is not trusted (its recent predictions are off
-    beyond the bound) or, on a device whose lanes take turns, while TTFT misses: prompts up to
-    the token budget ride with the decode rows, as a chunked engine's hybrid step."""
-    if not (s.model_off or (s.traits.takes_turns and not s.ttft_ok)):
+    """Chunked prefill's plan (prompts up to the token budget fused with the decode rows, as a
+    chunked engine's hybrid step) where the model is not trusted (its recent predictions are
+    off beyond the bound), and on a device whose lanes take turns unless TPOT misses while TTFT
+    holds: there the lanes cannot gain by sharing, and a step smaller than chunked's leaves
+    prompts waiting while TPOT has room; TPOT missing is what shrinks the steps (the fused
+    rules size them to its budget)."""
+    takes_turns = s.traits.takes_turns and (s.tpot_ok or not s.ttft_ok)
+    if not (s.model_off or takes_turns):
         return None
     fusion = s.chunked_fusion
     return None if fusion is None else Choice(Split(s.total, 0, "chunked-plan"), fusion)
@@ -306,8 +310,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "chunked-plan",
         "extension",
-        "the model is off, or TTFT misses where the lanes take turns: chunked prefill's step, "
-        "prompts up to the token budget fused with the decode rows",
+        "the model is off, or the lanes take turns and TPOT holds (or TTFT misses): chunked "
+        "prefill's step, prompts up to the token budget fused with the decode rows",
         _chunked_plan,
     ),
     Rule(
