@@ -125,6 +125,43 @@ def test_default_model_answers_through_the_openai_client(tmp_path):
         usage = chunks[-1].usage
         assert 1 <= usage.completion_tokens <= 8
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        # The real model held to a schema, and made to call a tool its template does not take
+        # (the tools reach it in a system message).
+        schema = {
+            "type": "object",
+            "properties": {"capital": {"type": "string", "maxLength": 24}},
+            "required": ["capital"],
+        }
+        answer = client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "What is the capital of France? Use JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            max_tokens=40,
+            temperature=0,
+        )
+        assert isinstance(json.loads(answer.choices[0].message.content)["capital"], str)
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 24}},
+                    "required": ["city"],
+                },
+            },
+        }
+        called = client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[weather],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=40,
+            temperature=0,
+        )
+        (call,) = called.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments)["city"], str)
         http.close()
     finally:
         server.stop()
