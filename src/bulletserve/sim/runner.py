@@ -208,26 +208,11 @@ def simulate_requests(
     slowdown = config.device_slowdown
     if not (slowdown > 0 and math.isfinite(slowdown)):
         raise SimSetupError(f"--device-slowdown must be a positive number, not {slowdown}")
+    limits = (config.max_num_seqs, config.max_num_batched_tokens, slowdown)
     if isinstance(policy, BulletPolicy):
-        end = LanedSimulator(
-            state,
-            policy,
-            env.perf,
-            noise,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            slowdown,
-        ).run()
+        end = LanedSimulator(state, policy, env.perf, noise, *limits).run()
     else:
-        end = run_single_lane(
-            state,
-            policy,
-            env.perf,
-            noise,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            slowdown,
-        )
+        end = run_single_lane(state, policy, env.perf, noise, *limits)
     if state.book.allocator.num_free != state.book.allocator.num_blocks:
         raise RuntimeError("KV blocks leaked: the pool is not empty after the run")
     duration = max(end, max(arrivals, default=0.0), 1e-9)
