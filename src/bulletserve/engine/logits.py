@@ -120,25 +120,28 @@ def _penalize(logits: torch.Tensor, requests: list[Request], rows: list[int]) ->
     device, vocab = logits.device, logits.shape[-1]
     flat = logits.view(-1)
     chosen = [requests[i] for i in rows]
+    starts = torch.tensor(rows) * vocab  # each row's first entry in `flat`, ascending
 
     def keys(ids_per_row: list[list[int]]) -> torch.Tensor:
         """row * vocab + token for every token of every row."""
         lengths = torch.tensor([len(ids) for ids in ids_per_row])
         tokens = torch.tensor([t for ids in ids_per_row for t in ids], dtype=torch.long)
-        return torch.repeat_interleave(torch.tensor(rows) * vocab, lengths) + tokens
+        return torch.repeat_interleave(starts, lengths) + tokens
+
+    def owners(entries: torch.Tensor) -> torch.Tensor:
+        """The index in `chosen` of the row each entry of `flat` lies in."""
+        return torch.searchsorted(starts, entries, right=True) - 1
 
     repetition = [r.params.repetition_penalty for r in chosen]
     if any(p != 1.0 for p in repetition):
         seen = torch.unique(keys([r.prompt_token_ids + r.output_token_ids for r in chosen]))
-        factor = torch.tensor(repetition)[
-            torch.searchsorted(torch.tensor(rows) * vocab, seen, right=True) - 1
-        ]
+        factor = torch.tensor(repetition)[owners(seen)]
         seen, factor = seen.to(device), factor.to(device)
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / factor, values * factor)
     output, counts = torch.unique(keys([r.output_token_ids for r in chosen]), return_counts=True)
     if len(output):
-        owner = torch.searchsorted(torch.tensor(rows) * vocab, output, right=True) - 1
+        owner = owners(output)
         frequency = torch.tensor([r.params.frequency_penalty for r in chosen])[owner]
         presence = torch.tensor([r.params.presence_penalty for r in chosen])[owner]
         output = output.to(device)

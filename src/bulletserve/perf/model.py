@@ -341,13 +341,13 @@ class PerfModel:
         corun = es.has_prefill and es.has_decode
         c = self.corrections if corrections is None else corrections
         raw = self.uncorrected(es)
-        prefill = raw.prefill_s
-        if prefill:
-            prefill *= c.factor("prefill", corun, size_bucket(es, "prefill"))
-        decode = raw.decode_s
-        if decode:
-            decode *= c.factor("decode", corun, size_bucket(es, "decode"))
-        return StepPrediction(prefill, decode)
+        times = []
+        for phase, seconds in (("prefill", raw.prefill_s), ("decode", raw.decode_s)):
+            if seconds:
+                bucket = size_bucket(es, phase) if c.buckets else None
+                seconds *= c.factor(phase, corun, bucket)
+            times.append(seconds)
+        return StepPrediction(*times)
 
     def observe(self, es: ExecutionState, phase: str, measured_s: float) -> None:
         """Fold one measured step time of `phase` into its running corrections: a step alone

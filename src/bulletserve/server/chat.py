@@ -22,6 +22,8 @@ from bulletserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
+    ChatTemplateFields,
     ChatTokenLogprob,
     DeltaMessage,
     FunctionCallDelta,
@@ -80,12 +82,12 @@ class ChatServing:
         self.takes_tools = template_takes_tools(self.template)
         self.parser = serving.settings.tool_call_parser or detect_parser(self.template)
 
-    async def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+    async def prompt_ids(self, messages: list[ChatMessage], body: ChatTemplateFields) -> list[int]:
         """The conversation through the chat template (with its tools), ending with the
         assistant's turn (or continuing its last message)."""
         if not self.template:
             raise APIError(400, "this model's tokenizer has no chat template", "messages")
-        conversation = [m.as_template_input() for m in body.messages]
+        conversation = [m.as_template_input() for m in messages]
         tools = tools_for_template(body.tools)
         if tools and not self.takes_tools:
             # The template would drop them: they go in a system message instead.
@@ -101,7 +103,7 @@ class ChatServing:
 
     def _render(
         self,
-        body: ChatCompletionRequest,
+        body: ChatTemplateFields,
         conversation: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
     ) -> list[int]:
@@ -149,7 +151,7 @@ class ChatServing:
         admission = serving.admit(body, width)
         try:
             structure = await serving.structure(body)
-            prompt_ids = serving.truncated(body, await self.prompt_ids(body))
+            prompt_ids = serving.truncated(body, await self.prompt_ids(body.messages, body))
             max_tokens = body.max_completion_tokens or body.max_tokens
             if body.logprobs:
                 num_logprobs: int | None = body.top_logprobs or 0

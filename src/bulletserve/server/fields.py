@@ -51,35 +51,24 @@ def structure_of(body: SamplingFields) -> tuple[StructuredOutputs | None, str | 
         assert fmt.json_schema is not None and fmt.json_schema.schema_ is not None
         asked.append((StructuredOutputs.json_schema(fmt.json_schema.schema_), "response_format"))
     extras = body.structured_outputs
+    if extras is not None and extras.json_object:
+        asked.append((StructuredOutputs("json_object"), "structured_outputs.json_object"))
+    # (field, its value, the structure it asks for)
+    fields = []
     if extras is not None:
-        given = [
-            (StructuredOutputs.json_schema(extras.json_), "structured_outputs.json")
-            if extras.json_ is not None
-            else None,
-            (StructuredOutputs("regex", extras.regex), "structured_outputs.regex")
-            if extras.regex is not None
-            else None,
-            (StructuredOutputs("choice", choices=tuple(extras.choice)), "structured_outputs.choice")
-            if extras.choice is not None
-            else None,
-            (StructuredOutputs("grammar", extras.grammar), "structured_outputs.grammar")
-            if extras.grammar is not None
-            else None,
-            (StructuredOutputs("json_object"), "structured_outputs.json_object")
-            if extras.json_object
-            else None,
+        fields += [
+            ("structured_outputs.json", extras.json_, StructuredOutputs.json_schema),
+            ("structured_outputs.regex", extras.regex, _regex),
+            ("structured_outputs.choice", extras.choice, _choice),
+            ("structured_outputs.grammar", extras.grammar, _grammar),
         ]
-        asked += [g for g in given if g is not None]
-    if body.guided_json is not None:
-        asked.append((StructuredOutputs.json_schema(body.guided_json), "guided_json"))
-    if body.guided_regex is not None:
-        asked.append((StructuredOutputs("regex", body.guided_regex), "guided_regex"))
-    if body.guided_choice is not None:
-        asked.append(
-            (StructuredOutputs("choice", choices=tuple(body.guided_choice)), "guided_choice")
-        )
-    if body.guided_grammar is not None:
-        asked.append((StructuredOutputs("grammar", body.guided_grammar), "guided_grammar"))
+    fields += [
+        ("guided_json", body.guided_json, StructuredOutputs.json_schema),
+        ("guided_regex", body.guided_regex, _regex),
+        ("guided_choice", body.guided_choice, _choice),
+        ("guided_grammar", body.guided_grammar, _grammar),
+    ]
+    asked += [(make(value), name) for name, value, make in fields if value is not None]
     if isinstance(body, ChatCompletionRequest):
         tool_structure = tool_choice_structure(body)
         if tool_structure is not None:
@@ -88,6 +77,18 @@ def structure_of(body: SamplingFields) -> tuple[StructuredOutputs | None, str | 
         names = ", ".join(name for _, name in asked)
         raise APIError(400, f"ask for one structured output at a time, not {names}", asked[1][1])
     return asked[0] if asked else (None, None)
+
+
+def _regex(pattern: str) -> StructuredOutputs:
+    return StructuredOutputs("regex", pattern)
+
+
+def _choice(choices: list[str]) -> StructuredOutputs:
+    return StructuredOutputs("choice", choices=tuple(choices))
+
+
+def _grammar(ebnf: str) -> StructuredOutputs:
+    return StructuredOutputs("grammar", ebnf)
 
 
 def tool_choice_structure(body: ChatCompletionRequest) -> StructuredOutputs | None:

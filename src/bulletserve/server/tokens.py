@@ -8,7 +8,6 @@ from functools import partial
 from bulletserve.server.chat import ChatServing
 from bulletserve.server.errors import APIError
 from bulletserve.server.protocol import (
-    ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
@@ -29,16 +28,7 @@ class TokenServing:
         self._check_model(body.model)
         serving = self.serving
         if body.messages is not None:
-            # The fields were validated as this request's; the chat request only carries them.
-            chat = ChatCompletionRequest.model_construct(
-                messages=body.messages,
-                tools=body.tools,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.chat_template_kwargs,
-                add_special_tokens=body.add_special_tokens,
-            )
-            ids = await self.chat.prompt_ids(chat)
+            ids = await self.chat.prompt_ids(body.messages, body)
         else:
             prompt = body.prompt or ""
             serving.check_prompt_chars(len(prompt), "prompt")

@@ -85,8 +85,7 @@ class BulletPolicy:
             batch = self._form_batch(snap, est)
             admitted, done = tuple(s.request_id for s in batch), 0
         step = self._next_step(batch, admitted, done)
-        situation = self.situation(snap, batch, step, bool(snap.decoding), est)
-        choice = choose(situation, self.rules)
+        choice = choose(self.situation(snap, batch, step, bool(snap.decoding), est), self.rules)
         fusion = choice.fusion
         if fusion is not None:
             if admitted:
@@ -142,17 +141,18 @@ class BulletPolicy:
         est: Estimator | None = None,
     ) -> Situation:
         """What the rules decide from, for a lane about to run `step` of `batch`."""
+        est = est or self.estimator(snap.corrections)
         return Situation(
             snap=snap,
             batch=batch,
             step=step,
             has_decode=has_decode,
-            est=est or self.estimator(snap.corrections),
+            est=est,
             traits=self.traits,
             partition=self.partition,
             static_split=self.static_split,
             fuse_decode=self.fuse_decode,
-            widen=lambda: self._form_batch(snap, est or self.estimator(snap.corrections), False),
+            widen=lambda: self._form_batch(snap, est, saturate=False),
         )
 
     def _next_step(

@@ -242,8 +242,8 @@ def _chunked_plan(s: Situation) -> Choice | None:
     holds: there the lanes cannot gain by sharing, and a step smaller than chunked's leaves
     prompts waiting while TPOT has room; TPOT missing is what shrinks the steps (the fused
     rules size them to its budget)."""
-    takes_turns = s.traits.takes_turns and (s.tpot_ok or not s.ttft_ok)
-    if not (s.model_off or takes_turns):
+    turns_plan = s.traits.takes_turns and (s.tpot_ok or not s.ttft_ok)
+    if not (s.model_off or turns_plan):
         return None
     fusion = s.chunked_fusion
     return None if fusion is None else Choice(Split(s.total, 0, "chunked-plan"), fusion)
