@@ -162,3 +162,18 @@ def test_a_schema_is_kept_in_one_canonical_spelling():
     assert a == b and hash(a) == hash(b)
     with pytest.raises(GrammarError):
         StructuredOutputs("choice")
+
+
+@needs_default_model
+def test_json_object_means_an_object():
+    """`json_object` allows `{` first and never `[` or a bare value."""
+    from bulletserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    req = request([1], [], temperature=0)
+    req.grammar = compiler.state(StructuredOutputs("json_object"))
+    logits = torch.zeros(1, len(tokenizer))
+    process_logits(logits, [req], [0])
+    allowed = {tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten()}
+    assert allowed and all(text.startswith("{") for text in allowed)

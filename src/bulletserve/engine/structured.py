@@ -109,7 +109,9 @@ def _compile(compiler: Any, structure: StructuredOutputs) -> Any:
             raise ValueError(f"the schema is not JSON ({exc})") from None
         return compiler.compile_json_schema(structure.spec, any_whitespace=False)
     if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+        # An object, as OpenAI's json_object means (xgrammar's built-in JSON grammar takes any
+        # JSON value, and any run of whitespace between tokens).
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return compiler.compile_regex(structure.spec)
     if kind == "choice":
