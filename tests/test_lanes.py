@@ -334,11 +334,11 @@ def test_only_the_team_thread_runs_multithreaded_steps(tiny_llama_dir, partition
     assert on_team == {2}
     if partition != "none":
         assert {threads for _, threads in elsewhere} <= {1}
-    # First tokens are sampled on the prefill lane's thread; a decode step samples where it
-    # ran, on every thread the step had (on one thread it sampled 160 rows in 30 ms).
-    assert sampled_on["prefill"] == {("bullet-prefill", 1)}
-    assert ("bullet-team", 2) in sampled_on["decode"]
-    assert sampled_on["decode"] <= {("bullet-team", 2), ("bullet-decode", 1)}
+    # A step samples where it ran, on every thread the step had (on one thread a decode step
+    # sampled 160 rows in 30 ms), first tokens as well as decode rows.
+    for lane in ("prefill", "decode"):
+        assert ("bullet-team", 2) in sampled_on[lane]
+        assert sampled_on[lane] <= set(seen)
 
 
 def test_one_thread_holds_when_another_thread_sets_more_before_its_first_torch_call():

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A sampled token and its logprob (when the request asked for them).
+Sampled = tuple[int, TokenLogprob | None]
+
 # Weight of each step in /metrics' running means of predicted and measured step times.
 STEP_TIME_WEIGHT = 0.1
 
@@ -353,7 +356,7 @@ class Lanes:
             self.clock.checkpoint()
             with self._state:
                 self._await_handoff()
-                if not core.has_work("prefill", pending=self.engine.pending_intake):
+                if not core.may_plan("prefill", pending=self.engine.pending_intake):
                     self._wait("prefill")
                     continue
                 plan = self._plan("prefill")
@@ -371,7 +374,7 @@ class Lanes:
                 if step.layers[0] == 0:
                     self._pass = self.runner.begin_pass(self._pass_works(step))
                 device_pass = self._pass
-            (hidden, logits, runner_s), measured = self._on_units(
+            (hidden, sampled, runner_s), measured = self._on_units(
                 step, partial(self._prefill_step, device_pass, step)
             )
             with self._state:
@@ -379,7 +382,7 @@ class Lanes:
                 core.end_step("prefill")
                 self._log_step(step, measured, runner_s)
                 if step.layers[1] == self.model_config.num_layers:
-                    self._end_pass(device_pass, logits)
+                    self._end_pass(device_pass, sampled)
                 self.clock.notify_all(self._state)
 
     def _pass_works(self, step: LaneStep[Request]) -> list[SeqWork]:
@@ -400,21 +403,30 @@ class Lanes:
 
     def _prefill_step(
         self, device_pass: PrefillPass, step: LaneStep[Request], placement: Placement
-    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-        """The layer group's hidden states, the logits when it was the last group and a row
-        samples, and the seconds the model took (on the thread that ran it, without the
-        hand-off to it)."""
+    ) -> tuple[torch.Tensor, list[Sampled], float]:
+        """The layer group's hidden states; after the last group, a token (and logprob) per
+        row that samples, in the batch's sampling order; and the seconds the model took (on
+        the thread that ran it, without the hand-off to it). Sampling runs here, on the step's
+        units, as in the decode lane (on the lane's own thread it ran on one CPU thread, under
+        the state lock, and outside the measured step). Only this lane uses the engine's
+        sampler, and the step's requests are busy, so nothing changes what it reads."""
         start = time.perf_counter()
         first, last = step.layers
         hidden, logits = self.runner.run_layers(
             device_pass, first, last, self._logits["prefill"], placement
         )
         self.units.synchronize()  # the step's device time, not its launch time
-        return hidden, logits, time.perf_counter() - start
+        runner_s = time.perf_counter() - start
+        if logits is None:
+            return hidden, [], runner_s
+        members = step.requests + step.fused  # in the order of the pass's works
+        requests = [members[work] for work in device_pass.batch.sampling_order]
+        tokens, logprobs = self.sampler.sample(logits, requests, [r.stop_ids for r in requests])
+        return hidden, list(zip(tokens, logprobs, strict=True)), runner_s
 
     def _decode_step(
         self, works: list[SeqWork], requests: list[Request], placement: Placement
-    ) -> tuple[list[tuple[int, TokenLogprob | None]], float]:
+    ) -> tuple[list[Sampled], float]:
         """A token (and logprob) per request, and the seconds the model took. Sampling runs here,
         on the step's units: on the decode lane's own thread it ran on one CPU thread, and at
         160 rows it added 30 ms to a 100 ms step, where the single-lane engine samples on
@@ -428,22 +440,20 @@ class Lanes:
         )
         return list(zip(tokens, logprobs, strict=True)), runner_s
 
-    def _end_pass(self, device_pass: PrefillPass, logits: torch.Tensor | None) -> None:
-        """After a pass's last layer: sample the first tokens of the prompts it completed (and
-        the fused decode rows' next ones); those prompts join the decode lane."""
+    def _end_pass(self, device_pass: PrefillPass, sampled: list[Sampled]) -> None:
+        """After a pass's last layer: the first tokens of the prompts it completed (and the
+        fused decode rows' next ones) join their requests; those prompts join the decode
+        lane."""
         ended = self.core.end_pass(lambda request: request.is_finished)
         if self.core.prefill is None:
             self._pass = None
         if not ended.sampled:
             return
-        # Logits come in the step's row order (prompts of one token sit with the decode rows).
+        # Tokens come in the step's sampling order (prompts of one token sit with the decode
+        # rows); aborted requests' tokens are dropped.
         row_of = {work: row for row, work in enumerate(device_pass.batch.sampling_order)}
         requests = ended.sampled
-        tokens, logprobs = self.sampler.sample(
-            logits[[row_of[work] for work in ended.rows]],
-            requests,
-            [r.stop_ids for r in requests],
-        )
+        tokens, logprobs = zip(*(sampled[row_of[work]] for work in ended.rows), strict=True)
         now = self.clock.now()
         for request in ended.joined:
             if not request.output_token_ids:  # not a recomputation after preemption
@@ -461,7 +471,7 @@ class Lanes:
             self.clock.checkpoint()
             with self._state:
                 self._await_handoff()
-                if core.decode_paused() or not core.has_work("decode"):
+                if not core.may_plan("decode"):
                     self._wait("decode")
                     continue
                 plan = self._plan("decode")

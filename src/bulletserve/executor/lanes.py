@@ -3,7 +3,8 @@
 and the units it holds, whether a step may start, the snapshot a lane plans from, what ran
 while a step ran, and how long an idle lane waits before it plans again.
 
-A lane's turn: with no work (`has_work`) it waits; else `plan(lane, now)` (the plan's split
+A lane's turn: unless it `may_plan` (it has work, and the other lane's step leaves it units)
+it waits; else `plan(lane, now)` (the plan's split
 comes into force); unless the plan is `runnable` now, the lane waits `wait_s(lane)` or until
 woken; else `start_prefill` / `start_decode` claim the lane's units and record the step in
 flight, the executor runs it (threads and the device in the engine; the modeled device's time
@@ -218,6 +219,27 @@ class LaneCore(Generic[E]):
             return pending or bool(self.book.waiting) or self.prefill is not None
         return bool(self.book.running)
 
+    def blocked(self, lane: Lane) -> bool:
+        """Whether the other lane's running step holds every unit: nothing the lane could plan
+        can start before that step ends (whose end wakes it)."""
+        other = self.steps[other_lane(lane)]
+        return (
+            self.policy.partition != "none"
+            and other is not None
+            and other.holds
+            and other.units >= self.total
+        )
+
+    def may_plan(self, lane: Lane, pending: bool = False) -> bool:
+        """Whether the lane plans now: it has work (`has_work`), the decode lane is not paused
+        under a fused step, and the other lane's step leaves it units. A lane that planned
+        while it could not start would take the GIL and a core from the compute threads (woken
+        by every arrival, and on two cores the step's whole thread team waits for the one it
+        preempts at every barrier)."""
+        if lane == "decode" and self.decode_paused():
+            return False
+        return self.has_work(lane, pending) and not self.blocked(lane)
+
     def wait_s(self, lane: Lane, pending: bool = False) -> float:
         """How long an idle lane waits (unless woken: a request arrives or leaves, a step ends)
         before it plans again. Quickly while it has work of its own and the other lane's step
@@ -225,14 +247,7 @@ class LaneCore(Generic[E]):
         it ends, and a lane planning every few ms meanwhile would take the GIL and a core from
         the compute threads (0.5 ms of Python every 5 ms on another thread slowed a 2-thread
         decode step 7-9%)."""
-        other = self.steps[other_lane(lane)]
-        blocked = (
-            self.policy.partition != "none"
-            and other is not None
-            and other.holds
-            and other.units >= self.total
-        )
-        return POLL_S if self.has_work(lane, pending) and not blocked else IDLE_S
+        return POLL_S if self.has_work(lane, pending) and not self.blocked(lane) else IDLE_S
 
     # ---- steps ------------------------------------------------------------------------------
 

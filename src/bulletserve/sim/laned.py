@@ -103,7 +103,7 @@ class LanedSimulator:
     def _act(self, lane: Lane, now: float) -> None:
         self.ready.discard(lane)
         core = self.core
-        if not core.has_work(lane) or (lane == "decode" and core.decode_paused()):
+        if not core.may_plan(lane):
             self._wait(lane, now)
             return
         plan = core.plan(lane, now, self.perf.corrections)
