@@ -206,12 +206,17 @@ class Lanes:
                 outputs.append(self._outputs.get_nowait())
         except queue.Empty:
             pass
-        with self._state:
-            self._taken += len(outputs)
+        if outputs:
+            with self._state:
+                self._taken += len(outputs)
         return outputs
 
     def outputs_handed_off(self) -> None:
         with self._state:
+            if not self._taken:
+                # `step()` returned nothing (its caller polls while a step runs): no lane
+                # waits on this, and waking both would take the GIL from the step's thread.
+                return
             self._unhanded -= self._taken
             self._taken = 0
             self.clock.notify_all(self._state)
