@@ -80,3 +80,25 @@ def test_outputs_report_their_cached_prompt_tokens(tiny_llama_dir):
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
     assert again.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("policy", ["chunked", "bullet"])
+def test_only_requests_with_the_same_cache_salt_share_cached_blocks(tiny_llama_dir, policy):
+    """vLLM's cache_salt: without it a client that guesses another's prompt learns it was sent
+    (its cached tokens, a sooner first token); with salts, only requests of one salt share."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, policy=policy)
+    prompt = shared_prefix_prompts(seed=4)[0]
+
+    def cached(salt: str | None) -> int:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, cache_salt=salt)
+        return llm.generate([prompt], params)[0].num_cached_tokens
+
+    try:
+        assert cached("alice") == 0
+        assert cached(None) == 0  # the unsalted cache knows nothing of alice's prompt
+        assert cached("bob") == 0
+        assert cached("alice") > 0 and cached("bob") > 0 and cached(None) > 0
+        # Salted blocks are cached blocks like any: nothing leaks when the requests end.
+        assert llm.engine.book.allocator.num_used == 0
+    finally:
+        llm.engine.close()

@@ -21,6 +21,8 @@ class Entry:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    skips_prefix_cache: bool = False
+    prefix_root: int = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -369,10 +369,11 @@ def test_bad_words_and_allowed_token_ids(client):
         ("/v1/completions", {"stop_token_ids": [99999999]}),
         ("/v1/completions", {"best_of": 1, "n": 2}),
         ("/v1/completions", {"best_of": 3, "stream": True}),
-        ("/v1/completions", {"echo": True, "logprobs": 1}),
+        ("/v1/completions", {"prompt_logprobs": 1, "stream": True}),
+        ("/v1/chat/completions", {"prompt_logprobs": 21}),
         ("/v1/chat/completions", {"top_logprobs": 2}),
         ("/v1/chat/completions", {"use_beam_search": True}),
-        ("/v1/completions", {"cache_salt": "s"}),
+        ("/v1/completions", {"cache_salt": ""}),
         ("/v1/completions", {"priority": 3}),
         ("/v1/completions", {"n": 129}),
         ("/v1/chat/completions", {"tool_choice": "required"}),
@@ -395,6 +396,21 @@ def test_fields_vllm_also_ignores_are_ignored(url):
 
 
 # ---- n, best_of, lists of prompts, echo -------------------------------------------------------
+
+
+def test_cache_salt_keeps_one_clients_prompt_from_another(url):
+    """`usage.prompt_tokens_details.cached_tokens` told a client whether another had sent a
+    prompt it guessed; with a salt it finds only what its own salt cached."""
+    prompt = list(range(200, 200 + 80))  # five full blocks
+
+    def cached(**extra) -> int:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, **extra}
+        answer = httpx.post(url + "/v1/completions", json=body, trust_env=False).json()
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="victim") == 0
+    assert cached() == 0 and cached(cache_salt="attacker") == 0
+    assert cached(cache_salt="victim") > 0
 
 
 def test_n_choices_share_the_prompts_blocks(client, engine):
@@ -460,6 +476,57 @@ def test_echo_puts_the_prompt_before_the_text(client):
         model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True
     )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(url):
+    """vLLM's `prompt_logprobs` on both endpoints (every choice gets the prompt's), and the
+    legacy `echo` + `logprobs`, which put the prompt's tokens and logprobs before the output's,
+    streamed or not."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    post = lambda path, extra: httpx.post(  # noqa: E731
+        url + path, json={**body, **extra}, trust_env=False, timeout=120
+    ).json()
+    both = post("/v1/completions", {"prompt_logprobs": 2, "n": 2, "echo": True, "logprobs": 1})
+    size = both["usage"]["prompt_tokens"]
+    ids = httpx.post(url + "/tokenize", json={"prompt": PROMPT}, trust_env=False).json()["tokens"]
+    assert len(ids) == size
+    for choice in both["choices"]:
+        entries = choice["prompt_logprobs"]
+        assert entries == both["choices"][0]["prompt_logprobs"]
+        assert len(entries) == size and entries[0] is None
+        for token, entry in zip(ids[1:], entries[1:], strict=True):
+            assert str(token) in entry and 1 <= len(entry) <= 3  # the token and the top two
+            assert entry[str(token)]["rank"] >= 1
+            best = max(entry.values(), key=lambda e: e["logprob"])
+            assert best["rank"] == 1
+        legacy = choice["logprobs"]
+        assert len(legacy["tokens"]) == size + 3
+        assert legacy["token_logprobs"][0] is None and legacy["top_logprobs"][0] is None
+        for position in range(1, size):
+            expected = entries[position][str(ids[position])]["logprob"]
+            assert legacy["token_logprobs"][position] == pytest.approx(expected)
+            assert len(legacy["top_logprobs"][position]) <= 1
+        assert legacy["text_offset"] == sorted(legacy["text_offset"])
+        assert choice["text"].startswith(PROMPT)
+    chat_body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "prompt_logprobs": 0}
+    chat = httpx.post(url + "/v1/chat/completions", json=chat_body, trust_env=False).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # the token alone
+    plain = post("/v1/completions", {})
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    streamed = httpx.post(
+        url + "/v1/completions",
+        json={**body, "echo": True, "logprobs": 1, "stream": True},
+        trust_env=False,
+        timeout=120,
+    )
+    chunks = [
+        json.loads(line[len("data: ") :])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    tokens = [t for chunk in chunks for c in chunk["choices"] for t in c["logprobs"]["tokens"]]
+    assert tokens == both["choices"][0]["logprobs"]["tokens"]
 
 
 # ---- /tokenize and /detokenize -----------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import httpx
@@ -94,6 +96,40 @@ def test_bad_prompts_are_400(url, prompt):
     error_of(post(url, "/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400)
 
 
+SURROGATE = '"a\\ud800b"'  # JSON's escape of a lone UTF-16 surrogate
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": %s}]}',
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}],'
+            ' "stream": true}',
+            "messages.0.content.0.text",
+        ),
+        ("/v1/completions", '{"prompt": [%s], "max_tokens": 2}', "prompt.0"),
+        ("/v1/completions", '{"prompt": %s, "max_tokens": 2}', "prompt"),
+        ("/v1/completions", '{"prompt": "hi", "stop": [%s]}', "stop.0"),
+        ("/v1/completions", '{"prompt": "hi", "logit_bias": {%s: 1}}', "logit_bias"),
+        ("/tokenize", '{"prompt": %s}', "prompt"),
+    ],
+    ids=["chat", "chat-part-streamed", "prompt-list", "prompt", "stop", "key", "tokenize"],
+)
+def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_it(url, path, body, param):
+    """JSON lets a client escape half a UTF-16 pair; no tokenizer takes one (it answered 500
+    with two tracebacks where it reached the tokenizer, and a stop string took it)."""
+    headers = {"content-type": "application/json"}
+    response = post(url, path, content=(body % SURROGATE).encode(), headers=headers)
+    error = error_of(response, 400)
+    assert error["param"].startswith(param) and "surrogate" in error["message"]
+
+
 def test_unknown_fields_are_ignored(url):
     body = {"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1}, "user": "u"}
     assert post(url, "/v1/completions", json=body).status_code == 200
@@ -120,14 +156,27 @@ def test_api_key_guards_v1_only(engine):
         error_of(get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         body = {"prompt": "hi", "max_tokens": 2}
         error_of(post(url, "/v1/completions", json=body), 401)
+        error_of(get("/v1/models", headers={"Authorization": "Basic sekrit"}), 401)
         auth = {"Authorization": "Bearer sekrit"}
         assert get("/v1/models", headers=auth).status_code == 200
+        # The scheme is case-insensitive (RFC 7235).
+        assert get("/v1/models", headers={"Authorization": "bearer sekrit"}).status_code == 200
         assert post(url, "/v1/completions", json=body, headers=auth).status_code == 200
         assert get("/health").status_code == 200
         assert get("/metrics").status_code == 200
 
 
-def test_an_engine_fault_fails_requests_with_500_and_health_503():
+def _logged(caplog, message: str) -> str:
+    """The text of the fault logged under the error id that `message` (a client's) names:
+    the client sees the id, never the fault's own text."""
+    match = re.search(r"error id (err-[0-9a-f]+)", message)
+    assert match and "injected" not in message
+    records = [r for r in caplog.records if match.group(1) in r.getMessage()]
+    assert records, f"nothing logged under {match.group(1)}"
+    return repr(records[0].exc_info[1])
+
+
+def test_an_engine_fault_fails_requests_with_500_and_health_503(caplog):
     engine = tiny_engine()
 
     def broken_execute(works, out=None):
@@ -139,7 +188,7 @@ def test_an_engine_fault_fails_requests_with_500_and_health_503():
             engine.engine.runner.execute = broken_execute
             body = {"prompt": "hello", "max_tokens": 4}
             error = error_of(post(url, "/v1/completions", json=body), 500)
-            assert "injected device fault" in error["message"]
+            assert "injected device fault" in _logged(caplog, error["message"])
             assert wait_until(lambda: not engine.healthy)
             error_of(httpx.get(url + "/health", trust_env=False), 503)
             error_of(post(url, "/v1/completions", json=body), 500)
@@ -151,7 +200,7 @@ def test_an_engine_fault_fails_requests_with_500_and_health_503():
         engine.shutdown()
 
 
-def test_a_fault_mid_stream_ends_the_stream_with_an_error_event():
+def test_a_fault_mid_stream_ends_the_stream_with_an_error_event(caplog):
     engine = tiny_engine()
     real_execute = engine.engine.runner.execute
     calls = 0
@@ -171,7 +220,8 @@ def test_a_fault_mid_stream_ends_the_stream_with_an_error_event():
             assert response.status_code == 200
             events = [line for line in response.text.splitlines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]"
-            assert '"error"' in events[-2] and "injected device fault" in events[-2]
+            error = json.loads(events[-2][len("data: ") :])["error"]
+            assert "injected device fault" in _logged(caplog, error["message"])
     finally:
         engine.shutdown()
 

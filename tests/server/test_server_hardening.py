@@ -190,6 +190,33 @@ def test_partial_headers_are_timed_out():
         engine.shutdown()
 
 
+def test_a_stalled_body_is_answered_408_and_its_connection_closed():
+    """Headers complete, the body stalled: without a deadline of its own the connection was
+    held for 45 s or more."""
+    engine = tiny_engine()
+    try:
+        with running_app(engine, body_timeout_s=0.5) as url:
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                    b'{"prompt": "hel'
+                )
+                start = time.monotonic()
+                answer = b""
+                while chunk := sock.recv(4096):  # until the server closes the connection
+                    answer += chunk
+                assert time.monotonic() - start < 5
+            assert answer.startswith(b"HTTP/1.1 408")
+            assert b'"code":408' in answer
+            body = {"prompt": "hello", "max_tokens": 2}
+            response = httpx.post(url + "/v1/completions", json=body, trust_env=False)
+            assert response.status_code == 200
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def url():
     engine = tiny_engine()

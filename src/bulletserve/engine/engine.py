@@ -409,6 +409,11 @@ class LLMEngine:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=(
+                [None, *request.prompt_logprobs]
+                if request.params.prompt_logprobs is not None
+                else None
+            ),
             timings=request.timings,
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens,

@@ -26,7 +26,7 @@ import torch
 from bulletserve.engine.engine import HANDOFF_WAIT_S
 from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
-from bulletserve.engine.runner import Placement, PrefillPass, SeqWork
+from bulletserve.engine.runner import Placement, PrefillPass, SeqWork, request_work
 from bulletserve.engine.sampler import Sampler
 from bulletserve.executor.lanes import LaneCore, LaneStep
 from bulletserve.executor.record import Lane, write_step
@@ -394,12 +394,7 @@ class Lanes:
         """The device batch of a pass: each prompt's tokens in it (its rest, or the step's
         chunk of the one prompt) on top of those cached, then the fused decode rows."""
         works = [
-            SeqWork(
-                request.token_ids(cached, cached + tokens),
-                cached,
-                request.block_table,
-                cached + tokens == request.num_tokens,
-            )
+            request_work(request, cached, cached + tokens)
             for request, cached, tokens in zip(
                 step.requests, step.cached, step.lengths, strict=True
             )
@@ -449,6 +444,10 @@ class Lanes:
         """After a pass's last layer: the first tokens of the prompts it completed (and the
         fused decode rows' next ones) join their requests; those prompts join the decode
         lane."""
+        prompts = self.core.prefill.requests  # the pass's first works; the fused rows follow
+        for request, work in zip(prompts, device_pass.works[: len(prompts)], strict=True):
+            if work.prompt_targets:
+                request.keep_prompt_logprobs(work.start, work.prompt_logprobs)
         ended = self.core.end_pass(lambda request: request.is_finished)
         if self.core.prefill is None:
             self._pass = None
@@ -508,5 +507,4 @@ class Lanes:
 
 def _decode_work(request: Request) -> SeqWork:
     """A decoding request's share of a step: its last token, on top of its cached context."""
-    last = request.num_tokens - 1
-    return SeqWork(request.token_ids(last, request.num_tokens), last, request.block_table, True)
+    return request_work(request, request.num_tokens - 1, request.num_tokens)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarState
+from bulletserve.kv.allocator import salt_root
 from bulletserve.sched.base import SeqView
 
 
@@ -23,6 +24,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # the token's place among the vocabulary's by logprob (1: likeliest)
 
 
 @dataclass
@@ -59,6 +61,32 @@ class Request:
     # sequences of its bad words.
     grammar: GrammarState | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    # With `params.prompt_logprobs`: per prompt position from 1, its logprob once computed.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prefix_root: int = field(init=False, default=0)  # its prefix keys' root (its cache salt's)
+
+    def __post_init__(self) -> None:
+        self.prefix_root = salt_root(self.params.cache_salt)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """A request for prompt logprobs computes every prompt token (a cached prefix has no
+        logits)."""
+        return self.params.prompt_logprobs is not None
+
+    def prompt_targets(self, start: int, end: int) -> list[int]:
+        """The prompt tokens whose logprobs a step over tokens [start, end) computes (each
+        row's next token, within the prompt), for a request that asks for them."""
+        if self.params.prompt_logprobs is None:
+            return []
+        return self.prompt_token_ids[start + 1 : min(end + 1, len(self.prompt_token_ids))]
+
+    def keep_prompt_logprobs(self, start: int, logprobs: list[TokenLogprob]) -> None:
+        """Keep the logprobs of prompt positions start + 1, start + 2, ... (a step's over
+        tokens from `start`; a recomputation after preemption writes the same again)."""
+        self.prompt_logprobs[start : start + len(logprobs)] = logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -107,5 +135,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None
     timings: RequestTimings
+    # With prompt_logprobs: per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache

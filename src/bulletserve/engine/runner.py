@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from bulletserve.dist.parallel import Channel
+from bulletserve.engine.request import Request, TokenLogprob
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import (
     AttentionMetadata,
@@ -35,6 +36,8 @@ from bulletserve.model.decoder import DecoderLM, Linear, LogitsBuffer
 # saves (17 rows as 32: 1.22x the step); above, 0.98-1.07x.
 CPU_EXACT_ROWS = 32
 CPU_ROW_MULTIPLE = 16
+# Prompt logprobs are computed this many prompt rows at a time.
+PROMPT_LOGPROB_ROWS = 64
 
 
 def builds_gemm_kernels(model: DecoderLM, device: torch.device) -> bool:
@@ -53,12 +56,30 @@ def padded_rows(rows: int) -> int:
 
 @dataclass
 class SeqWork:
-    """One sequence's share of a step: tokens [start, start + len(token_ids)) of its context."""
+    """One sequence's share of a step: tokens [start, start + len(token_ids)) of its context.
+    With `prompt_targets` (the prompt tokens its rows predict, from position start + 1), the
+    runner fills `prompt_logprobs` with each one's logprob, rank and `prompt_top`
+    alternatives."""
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     samples: bool  # whether the step ends at the sequence's last token, so it gets logits
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_top: int = 0
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def request_work(request: Request, start: int, end: int) -> SeqWork:
+    """A request's share of a step over its tokens [start, end)."""
+    return SeqWork(
+        request.token_ids(start, end),
+        start,
+        request.block_table,
+        end == request.num_tokens,
+        request.prompt_targets(start, end),
+        request.params.prompt_logprobs or 0,
+    )
 
 
 @dataclass
@@ -70,6 +91,8 @@ class StepBatch:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # padded on a CPU like the step's rows (repeating the last)
     sampling_order: list[int]  # index into the given works, per logits row
+    # (index into the given works, its first row) of the works that want prompt logprobs.
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -209,6 +232,7 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sampling_order: list[int] = []
+        prompt_rows: list[tuple[int, int]] = []
         # A decode row's position and KV slot are plain integers, gathered into one tensor each
         # (per-row tensor ops cost more than the tiny model's layers at hundreds of rows).
         decode_positions: list[int] = []
@@ -236,6 +260,8 @@ class ModelRunner:
             if work.samples:
                 logits_rows.append(query_start + query_len - 1)
                 sampling_order.append(index)
+            if work.prompt_targets:
+                prompt_rows.append((index, query_start))
         if decodes:
             positions.append(torch.tensor(decode_positions, dtype=torch.long))
             slot_mapping.append(torch.tensor(decode_slots, dtype=torch.long))
@@ -269,6 +295,7 @@ class ModelRunner:
             meta=meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=to),
             sampling_order=sampling_order,
+            prompt_rows=prompt_rows,
         )
 
     def _prefill_fields(self, works: list[SeqWork], spans: list[PrefillSpan]) -> dict:
@@ -319,13 +346,18 @@ class ModelRunner:
         """Run one step; return fp32 logits for sampling sequences (in `out`'s memory, if
         given) and their indices in `works`. `channel` and `placement`: the lane it runs for
         and where, as the other ranks are told."""
-        if self.graphs is not None and self.graphs.fits(works):
+        if (
+            self.graphs is not None
+            and self.graphs.fits(works)
+            and not any(w.prompt_targets for w in works)  # a one-token chunk of a prompt
+        ):
             return self.graphs.run(works), list(range(len(works)))
         self.tp.announce(channel, RunStep(works, placement))
         batch = self.prepare(works)
         with self.tp.on(channel):
             hidden = self.model.embed(batch.input_ids)
             hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)
+            self._prompt_logprobs(hidden, batch, works)
             if not batch.sampling_order:
                 return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
             return self.logits(hidden, batch, out), batch.sampling_order
@@ -358,8 +390,10 @@ class ModelRunner:
                 hidden, batch.positions, self.pool.layers, batch.meta, first, last
             )
             logits = None
-            if last == self.model.config.num_layers and batch.sampling_order:
-                logits = self.logits(hidden, batch, out)
+            if last == self.model.config.num_layers:
+                self._prompt_logprobs(hidden, batch, device_pass.works)
+                if batch.sampling_order:
+                    logits = self.logits(hidden, batch, out)
         return hidden, logits
 
     def logits(
@@ -367,6 +401,42 @@ class ModelRunner:
     ) -> torch.Tensor:
         """fp32 logits of the batch's sampling rows, padding rows dropped."""
         return self.model.logits(hidden, batch.logits_rows, out)[: len(batch.sampling_order)]
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, batch: StepBatch, works: list[SeqWork]
+    ) -> None:
+        """Fill each work's `prompt_logprobs` from the final hidden states of its rows, a few
+        rows at a time (a [rows, vocab] fp32 matrix is 200 KB a row for a 49K vocabulary).
+        Every rank computes the logits (their columns are gathered on rank 0); rank 0 keeps
+        the logprobs."""
+        for index, first in batch.prompt_rows:
+            work = works[index]
+            work.prompt_logprobs = []
+            targets = work.prompt_targets
+            for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                count = min(PROMPT_LOGPROB_ROWS, len(targets) - at)
+                rows = list(range(first + at, first + at + count))
+                if self.pad_rows:  # the LM head's GEMM at a row count built at start
+                    rows += [rows[-1]] * (padded_rows(count) - count)
+                logits = self.model.logits(hidden, torch.tensor(rows, device=hidden.device))
+                if self.tp.shard.rank != 0:
+                    continue
+                logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
+                wanted = torch.tensor(targets[at : at + count], device=logprobs.device)
+                chosen = logprobs.gather(1, wanted.unsqueeze(1))
+                ranks = (logprobs > chosen).sum(dim=1) + 1
+                top_values, top_ids = logprobs.topk(work.prompt_top, dim=-1)
+                work.prompt_logprobs += [
+                    TokenLogprob(token, logprob, list(zip(ids, values, strict=True)), rank)
+                    for token, logprob, ids, values, rank in zip(
+                        wanted.tolist(),
+                        chosen.squeeze(1).tolist(),
+                        top_ids.tolist(),
+                        top_values.tolist(),
+                        ranks.tolist(),
+                        strict=True,
+                    )
+                ]
 
 
 def warm_cpu_gemms(

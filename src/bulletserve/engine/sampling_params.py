@@ -25,6 +25,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token, or None for none
+    # Per prompt token after the first: its logprob given the tokens before it, its rank and
+    # this many most likely alternatives (vLLM's prompt_logprobs); None: none.
+    prompt_logprobs: int | None = None
     # Penalties, as OpenAI and vLLM define them: presence and frequency over the output's
     # tokens, repetition (1: none) over the prompt's and the output's.
     presence_penalty: float = 0.0
@@ -35,6 +38,10 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's bad_words)
     allowed_token_ids: list[int] | None = None  # None: any token; else only these
     structured_outputs: StructuredOutputs | None = None  # what the output must match
+    # Not a sampling setting but the request's too: only requests with the same salt share
+    # cached prompt blocks (vLLM's cache_salt), so a client cannot learn from the cache's
+    # speed or `cached_tokens` what another sent.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +64,11 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (self.cache_salt is None or self.cache_salt != "", "cache_salt must not be empty"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bulletserve.engine.request import Request, RequestOutput, RequestState
-from bulletserve.engine.runner import SeqWork
+from bulletserve.engine.runner import SeqWork, request_work
 from bulletserve.executor.record import write_step
 from bulletserve.executor.single import begin_single_step, end_single_step, scheduler_snapshot
 from bulletserve.model.decoder import LogitsBuffer
@@ -68,14 +68,7 @@ class SingleLane:
             end = start + num_tokens
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
-            works.append(
-                SeqWork(
-                    request.token_ids(start, end),
-                    start,
-                    request.block_table,
-                    end == request.num_tokens,
-                )
-            )
+            works.append(request_work(request, start, end))
         (logits, sampling), measured = engine.clock.run_single(
             step, self.units, partial(self._execute, works)
         )
@@ -84,6 +77,9 @@ class SingleLane:
             write_step(engine.step_log, step.record(engine.clock.now(), self.units, es, measured))
             engine.step_log.flush()
         end_single_step(engine.book, step)
+        for (request, _), work in zip(step.batch, works, strict=True):
+            if work.prompt_targets:
+                request.keep_prompt_logprobs(work.start, work.prompt_logprobs)
         for request, _ in step.batch:
             if request.num_computed_tokens < request.num_tokens:
                 request.state = RequestState.PREFILLING

@@ -29,6 +29,12 @@ class BookEntry(Protocol):
     @property
     def num_output_tokens(self) -> int: ...
 
+    @property
+    def skips_prefix_cache(self) -> bool: ...  # computes every prompt token (prompt logprobs)
+
+    @property
+    def prefix_root(self) -> int: ...  # its prefix keys' root: its cache salt's (0: none)
+
     def view(self) -> SeqView: ...  # the request as a policy sees it
 
     def token_ids(self, start: int, end: int) -> list[int]: ...  # tokens [start, end)
@@ -131,7 +137,7 @@ class RequestBook(Generic[E]):
             self.allocator.register(
                 request.block_table[index],
                 keys[index],
-                keys[index - 1] if index else 0,
+                keys[index - 1] if index else request.prefix_root,
                 request.token_ids(index * size, (index + 1) * size),
                 size,
             )
@@ -178,13 +184,15 @@ class RequestBook(Generic[E]):
         keys = self._keys.setdefault(request.request_id, [])
         if len(keys) < num_blocks:
             size = self.block_size
-            extend_prefix_keys(keys, request.token_ids(len(keys) * size, num_blocks * size), size)
+            tokens = request.token_ids(len(keys) * size, num_blocks * size)
+            extend_prefix_keys(keys, tokens, size, request.prefix_root)
         return keys
 
     def _cached_prefix(self, request: E) -> list[int]:
         """The cached blocks a waiting request would start from: full blocks of its tokens but
-        the last (whose logits it needs), none if it holds blocks already."""
-        if request.block_table or request.num_computed_tokens:
+        the last (whose logits it needs), none if it holds blocks already or needs the logits
+        of every prompt token."""
+        if request.block_table or request.num_computed_tokens or request.skips_prefix_cache:
             return []
         size = self.block_size
         count = (request.num_tokens - 1) // size
@@ -203,6 +211,7 @@ class RequestBook(Generic[E]):
             count,
             lambda index: request.token_ids(index * size, (index + 1) * size),
             matched,
+            request.prefix_root,
         )
         self._lookups[request.request_id] = (evictions, matched)
         return matched

@@ -8,6 +8,7 @@ allocation that finds too few free blocks evicts the least recently released cac
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -18,16 +19,28 @@ class OutOfBlocksError(RuntimeError):
     """Fewer free blocks than asked for; nothing was allocated."""
 
 
-def extend_prefix_keys(keys: list[int], tokens: Sequence[int], block_size: int) -> list[int]:
+def extend_prefix_keys(
+    keys: list[int], tokens: Sequence[int], block_size: int, root: int = 0
+) -> list[int]:
     """Extend `keys`, the prefix keys of a sequence's first len(keys) full blocks, with those of
     the full blocks of `tokens`, the tokens that follow them: key i hashes block i's tokens and
-    key i - 1 (0 before the first). Python's hash of a tuple of ints is the same in every
-    process; a collision is caught by comparing tokens on lookup (`BlockAllocator.lookup`)."""
-    parent = keys[-1] if keys else 0
+    key i - 1 (`root` before the first: 0, or a cache salt's `salt_root`). Python's hash of a
+    tuple of ints is the same in every process; a collision is caught by comparing tokens on
+    lookup (`BlockAllocator.lookup`)."""
+    parent = keys[-1] if keys else root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash((parent, tuple(tokens[start : start + block_size])))
         keys.append(parent)
     return keys
+
+
+def salt_root(salt: str | None) -> int:
+    """The root of the prefix keys of requests with this cache salt (vLLM's `cache_salt`): only
+    requests with the same salt share cached blocks. 0 for none; else a hash that is the same
+    in every process (Python's hash of a string is not)."""
+    if salt is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") or 1
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,7 @@ class BlockAllocator:
         count: int,
         block_tokens: Callable[[int], Sequence[int]],
         matched: Sequence[int] = (),
+        root: int = 0,
     ) -> list[int]:
         """The cached blocks of the longest prefix of `keys[:count]` (a sequence's prefix keys;
         `block_tokens(i)` gives its block i's tokens, compared to catch a hash collision),
@@ -136,7 +150,7 @@ class BlockAllocator:
                 if block is None:
                     break
                 cached = self._cached[block]
-                parent = keys[index - 1] if index else 0
+                parent = keys[index - 1] if index else root
                 if cached.parent != parent or cached.tokens != tuple(block_tokens(index)):
                     break
                 blocks.append(block)

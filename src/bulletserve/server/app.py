@@ -39,7 +39,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="bulletserve", version=bulletserve.__version__)
     install_error_handlers(app)
     app.add_middleware(
-        GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_bytes
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_request_bytes,
+        body_timeout_s=settings.body_timeout_s,
     )
     metrics = ServerMetrics(engine, settings.served_model_name)
     serving = Serving(engine, settings, metrics)
@@ -77,7 +80,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         if engine.healthy:
             return Response(status_code=200)
-        return error_response(503, f"the engine has failed: {engine.error!r}")
+        # The fault's details went to the server log when it happened.
+        return error_response(503, "the engine has failed: see the server log")
 
     @app.get("/version")
     async def version() -> JSONResponse:

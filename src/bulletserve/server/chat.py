@@ -201,8 +201,17 @@ class ChatServing:
             response_choices.append(
                 ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
             )
+        entries = finals[0].prompt_logprobs  # the first choice computed them (choice_params)
         response = ChatCompletionResponse(
-            id=response_id, model=serving.model_name, choices=response_choices, usage=usage(ranked)
+            id=response_id,
+            model=serving.model_name,
+            choices=response_choices,
+            usage=usage(ranked),
+            prompt_logprobs=(
+                serving.prompt_logprobs(entries, body.prompt_logprobs)
+                if body.prompt_logprobs is not None and entries is not None
+                else None
+            ),
         )
         return Response(response.model_dump_json(), media_type="application/json")
 

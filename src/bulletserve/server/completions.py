@@ -54,12 +54,13 @@ class CompletionServing:
             )
         if body.stream and width > body.n:
             raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs (the prompt's logprobs) is not supported", "echo"
-            )
         # best_of ranks choices by their tokens' summed logprobs: the engine reports them.
         logprobs = body.logprobs if body.logprobs is not None or width == body.n else 0
+        # `echo` with `logprobs` puts the prompt's tokens and logprobs before the output's.
+        echo_logprobs = body.echo and body.logprobs is not None
+        prompt_logprobs = body.prompt_logprobs
+        if echo_logprobs:
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs or 0)
         admission = serving.admit(body, width * len(prompts))
         try:
             structure = await serving.structure(body)
@@ -67,7 +68,9 @@ class CompletionServing:
             for p, prompt in enumerate(prompts):
                 ids = await self.prompt_ids(prompt, body.add_special_tokens)
                 ids = serving.truncated(body, ids)
-                params = serving.sampling_params(body, ids, body.max_tokens, logprobs, structure)
+                params = serving.sampling_params(
+                    body, ids, body.max_tokens, logprobs, structure, prompt_logprobs
+                )
                 echoes.append(_prompt_text(serving, prompt, ids, body) if body.echo else "")
                 choices += [
                     ChoiceWork(p * width + k, p, ids, choice_params(params, k))
@@ -81,7 +84,14 @@ class CompletionServing:
         response_id = f"cmpl-{body.request_id}" if body.request_id else request_id
         outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
-            events = _CompletionEvents(self, response_id, body.include_usage, echoes, width)
+            events = _CompletionEvents(
+                self,
+                response_id,
+                body.include_usage,
+                echoes,
+                width,
+                body.logprobs if echo_logprobs else None,
+            )
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
                 media_type="text/event-stream",
@@ -92,15 +102,26 @@ class CompletionServing:
         kept = _best(finals, len(prompts), width, body.n)
         response_choices = []
         for index, final in enumerate(kept):
+            prompt = index // body.n
+            # Only a prompt's first choice computed its logprobs (`choice_params`).
+            first = finals[prompt * width]
+            entries = first.prompt_logprobs
             logprobs_out = None
             if final.logprobs is not None and body.logprobs is not None:
                 logprobs_out = self.logprobs(final.logprobs, 0)
+                if echo_logprobs:
+                    logprobs_out = self.with_prompt(first, body.logprobs or 0, logprobs_out)
             response_choices.append(
                 CompletionChoice(
                     index=index,
-                    text=echoes[index // body.n] + final.text,
+                    text=echoes[prompt] + final.text,
                     logprobs=logprobs_out,
                     finish_reason=final.finish_reason,
+                    prompt_logprobs=(
+                        serving.prompt_logprobs(entries, body.prompt_logprobs)
+                        if body.prompt_logprobs is not None and entries is not None
+                        else None
+                    ),
                 )
             )
         response = CompletionResponse(
@@ -111,17 +132,43 @@ class CompletionServing:
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def logprobs(self, items: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+    def logprobs(
+        self, items: list[TokenLogprob], text_offset: int, top: int | None = None
+    ) -> CompletionLogprobs:
+        """The tokens' logprobs in the legacy format, with `top` alternatives (None: all the
+        engine gave)."""
         decode = self.serving.tokenizer.decode
         result = CompletionLogprobs()
         for item in items:
             token = decode([item.token_id])
             result.tokens.append(token)
             result.token_logprobs.append(item.logprob)
-            result.top_logprobs.append({decode([t]): lp for t, lp in item.top})
+            result.top_logprobs.append({decode([t]): lp for t, lp in item.top[:top]})
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
+
+    def with_prompt(
+        self, prompt_output: RequestOutput, top: int, output: CompletionLogprobs
+    ) -> CompletionLogprobs:
+        """`output` after the prompt's tokens and logprobs (from the output of the prompt's
+        choice that computed them; the first token's are None), its text offsets moved past
+        the prompt's text."""
+        entries = prompt_output.prompt_logprobs
+        assert entries is not None and all(e is not None for e in entries[1:])
+        prompt = self.logprobs(entries[1:], 0, top)  # type: ignore[arg-type]
+        head = self.serving.tokenizer.decode(prompt_output.prompt_token_ids[:1])
+        shift = len(head) + sum(len(t) for t in prompt.tokens)
+        return CompletionLogprobs(
+            tokens=[head, *prompt.tokens, *output.tokens],
+            token_logprobs=[None, *prompt.token_logprobs, *output.token_logprobs],
+            top_logprobs=[None, *prompt.top_logprobs, *output.top_logprobs],
+            text_offset=[
+                0,
+                *(offset + len(head) for offset in prompt.text_offset),
+                *(offset + shift for offset in output.text_offset),
+            ],
+        )
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -165,6 +212,7 @@ class _CompletionEvents:
         include_usage: bool,
         echoes: list[str],
         width: int,
+        echo_top: int | None,
     ) -> None:
         self.owner = owner
         self.request_id = request_id
@@ -172,6 +220,10 @@ class _CompletionEvents:
         self.created = now()
         self.echoes = echoes  # per prompt: what echo puts before each of its choices' text
         self.width = width
+        self.echo_top = echo_top  # with echo and logprobs: the prompt's alternatives
+        # Per prompt: the first output of the choice that computed its logprobs (the first
+        # choice, whose first token comes before any other choice starts).
+        self.prompt_outputs: dict[int, RequestOutput] = {}
         self.num_logprobs: dict[int, int] = {}
         self.text_offset: dict[int, int] = {}
 
@@ -189,14 +241,22 @@ class _CompletionEvents:
         if not (output.new_text or output.new_token_ids or output.finished):
             return []
         text = output.new_text
-        if index not in self.num_logprobs:
-            text = self.echoes[index // self.width] + text
+        prompt = index // self.width
+        first = index not in self.num_logprobs
+        if first:
+            text = self.echoes[prompt] + text
             self.num_logprobs[index] = 0
             self.text_offset[index] = 0
+            if index % self.width == 0:
+                self.prompt_outputs[prompt] = output
         logprobs = None
         if output.logprobs is not None:
             seen = self.num_logprobs[index]
             logprobs = self.owner.logprobs(output.logprobs[seen:], self.text_offset[index])
+            if first and self.echo_top is not None:
+                logprobs = self.owner.with_prompt(
+                    self.prompt_outputs[prompt], self.echo_top, logprobs
+                )
             self.num_logprobs[index] = len(output.logprobs)
             self.text_offset[index] += sum(len(t) for t in logprobs.tokens)
         choice = CompletionChoice(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -10,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from bulletserve.server.protocol import ErrorInfo, ErrorResponse
+from bulletserve.server.protocol import ErrorInfo, ErrorResponse, UnencodableTextError
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,14 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
+
+
+def logged_error(summary: str, exc: BaseException) -> str:
+    """A fault's message for clients: `summary` and an id; its details (an engine's or a
+    rank's exception text: paths, peers' addresses) go to the server log under that id."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    logger.error("%s (error id %s)", summary, error_id, exc_info=exc)
+    return f"{summary} (error id {error_id}; the details are in the server log)"
 
 
 class APIError(Exception):
@@ -76,6 +85,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.headers)
 
+    @app.exception_handler(UnencodableTextError)
+    async def _unencodable(_: Request, exc: UnencodableTextError) -> JSONResponse:
+        return error_response(400, str(exc), exc.path)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
@@ -84,9 +97,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(exc.status_code, message)
+        return error_response(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(500, logged_error("internal error", exc))

@@ -27,7 +27,6 @@ REFUSED: dict[str, Any] = {
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    "prompt_logprobs": None,
     "prompt_embeds": None,
     "suffix": None,
     "documents": None,
@@ -40,17 +39,65 @@ REFUSED: dict[str, Any] = {
     "logits_processors": None,
     "return_tokens_as_token_ids": None,
     "return_token_ids": None,
-    "cache_salt": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "reasoning_effort": None,
 }
 
 
+class UnencodableTextError(Exception):
+    """A request body's string (a value or a key) that is not valid Unicode text: JSON's
+    `"\\ud800"` escapes give Python a lone UTF-16 surrogate, which no tokenizer or UTF-8
+    encoder takes. Raised (not a ValueError, so pydantic lets it through) from a body's
+    validation; the server answers it with a 400 naming `path`."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path}: a lone UTF-16 surrogate is not valid text")
+        self.path = path
+
+
+def check_text(body: object) -> None:
+    """Raise UnencodableTextError naming the first string of `body` (parsed JSON: dicts,
+    lists, scalars) that does not encode to UTF-8."""
+    stack: list[tuple[object, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                raise UnencodableTextError(path or "body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_text(str(key)):  # named by its object: the key cannot be shown
+                    raise UnencodableTextError(f"{path or 'body'} (a key)")
+                stack.append((item, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{index}") for index, item in enumerate(value))
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _Request(BaseModel):
     # Strict, as OpenAI's API is: "10" is not a number, "yes" not a boolean. Extra fields are
     # kept (`model_extra`) for the server's one rule (REFUSED, or ignored and logged).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+class _Body(_Request):
+    """A whole request body: every string in it, at any depth, is checked once to be text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        check_text(data)
+        return data
 
 
 class StreamOptions(_Request):
@@ -88,7 +135,7 @@ class StructuredOutputsField(_Request):
     json_object: bool | None = None
 
 
-class SamplingFields(_Request):
+class SamplingFields(_Body):
     """Fields that both endpoints share."""
 
     model: str | None = None  # None: the served model
@@ -118,6 +165,8 @@ class SamplingFields(_Request):
         None
     )
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: Annotated[str, Field(min_length=1)] | None = None
@@ -137,6 +186,9 @@ class SamplingFields(_Request):
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream=true")
+        if self.prompt_logprobs is not None and self.stream:
+            # As vLLM: they would come whole in the first chunk, before any token.
+            raise ValueError("prompt_logprobs are not available with stream=true")
         return self
 
 
@@ -230,7 +282,7 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatTemplateFields(_Request):
+class ChatTemplateFields(_Body):
     """What the chat template is rendered with, beside the messages (chat and /tokenize)."""
 
     tools: list[Tool] | None = None
@@ -285,7 +337,7 @@ class TokenizeRequest(ChatTemplateFields):
         return self
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 
@@ -316,10 +368,23 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    # None for the first prompt token where `echo` puts the prompt's logprobs first.
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's `prompt_logprobs`: the token and each alternative."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token (None for the first): token id -> its logprob, rank and text.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -327,6 +392,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -383,6 +449,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionCallDelta(BaseModel):

@@ -16,13 +16,19 @@ from fastapi import Request
 
 from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
 from bulletserve.engine.client import EngineClient
-from bulletserve.engine.request import RequestOutput
+from bulletserve.engine.request import RequestOutput, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarError, StructuredOutputs
-from bulletserve.server.errors import APIError, error_body
+from bulletserve.server.errors import APIError, error_body, logged_error
 from bulletserve.server.fields import check_fields, logit_bias_of, structure_of
 from bulletserve.server.metrics import ServerMetrics
-from bulletserve.server.protocol import PromptTokensDetails, SamplingFields, Usage
+from bulletserve.server.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    SamplingFields,
+    Usage,
+)
 from bulletserve.server.settings import ServerSettings
 
 T = TypeVar("T")
@@ -149,8 +155,10 @@ class Serving:
         max_tokens: int | None,
         logprobs: int | None,
         structure: StructuredOutputs | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Check the prompt against the context and build the engine's settings (400 on error)."""
+        """Check the prompt against the context and build the engine's settings (400 on error).
+        `prompt_logprobs`: the body's, unless the endpoint asks for more."""
         try:
             self.front.check_prompt(prompt_ids)
         except ValueError as exc:
@@ -175,6 +183,9 @@ class Serving:
                 ignore_eos=body.ignore_eos,
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=(
+                    body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+                ),
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=body.repetition_penalty or 1.0,
@@ -184,6 +195,7 @@ class Serving:
                 bad_words=list(body.bad_words or []),
                 allowed_token_ids=body.allowed_token_ids,
                 structured_outputs=structure,
+                cache_salt=body.cache_salt,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
@@ -192,6 +204,24 @@ class Serving:
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
         return params
+
+    def prompt_logprobs(self, entries: list[TokenLogprob | None], top: int) -> PromptLogprobs:
+        """vLLM's `prompt_logprobs`: per prompt token but the first, the token itself and its
+        `top` likeliest alternatives, each with its logprob, rank and text."""
+        decode = self.tokenizer.decode
+        result: PromptLogprobs = [None]
+        for entry in entries[1:]:
+            assert entry is not None  # the prompt was computed before its first token came
+            ranked = [(entry.token_id, entry.logprob, entry.rank or 0)]
+            ranked += [(t, lp, rank) for rank, (t, lp) in enumerate(entry.top[:top], start=1)]
+            position: dict[int, PromptLogprob] = {}
+            for token_id, logprob, rank in ranked:
+                if token_id not in position:
+                    position[token_id] = PromptLogprob(
+                        logprob=logprob, rank=rank, decoded_token=decode([token_id])
+                    )
+            result.append(position)
+        return result
 
     def outputs(
         self, choices: list[ChoiceWork], request_id: str, admission: Admission
@@ -289,7 +319,7 @@ class Serving:
         try:
             return work.result()
         except EngineDeadError as exc:
-            raise APIError(500, str(exc)) from None
+            raise APIError(500, logged_error("the engine failed", exc)) from None
         except StreamEndedError as exc:
             raise APIError(503, str(exc)) from None
 
@@ -312,7 +342,7 @@ class Serving:
                 for payload in final_events([last[i] for i in sorted(last)]):
                     yield sse(payload)
         except EngineDeadError as exc:
-            yield sse(error_body(500, str(exc)).model_dump_json())
+            yield sse(error_body(500, logged_error("the engine failed", exc)).model_dump_json())
         except StreamEndedError as exc:
             yield sse(error_body(503, str(exc)).model_dump_json())
         except ValueError as exc:
@@ -332,10 +362,13 @@ class ChoiceWork:
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:
     """The settings of a prompt's k-th choice: a seeded request's choices draw from seed + k,
-    as vLLM's parallel sampling does, so that they differ and each is reproducible."""
-    if k == 0 or params.seed is None:
+    as vLLM's parallel sampling does, so that they differ and each is reproducible. Only the
+    first computes the prompt's logprobs (the same for every choice; the others then share its
+    cached prompt)."""
+    if k == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + k)
+    seed = None if params.seed is None else params.seed + k
+    return dataclasses.replace(params, seed=seed, prompt_logprobs=None)
 
 
 def new_request_id(prefix: str) -> str:

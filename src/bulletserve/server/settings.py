@@ -8,6 +8,9 @@ from typing import Literal
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# A request body not wholly received this long after its headers is answered 408 (as the
+# headers have a deadline of their own, `server.launch.HEADER_TIMEOUT_S`).
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,7 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     # Tool calling (vLLM's flags): whether tool_choice "auto" is served, and the output format
     # tool calls are parsed from (None: read off the chat template).
     enable_auto_tool_choice: bool = False

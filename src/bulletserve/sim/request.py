@@ -40,6 +40,14 @@ class SimRequest:
     def num_output_tokens(self) -> int:
         return len(self.token_times)
 
+    @property
+    def skips_prefix_cache(self) -> bool:
+        return False  # a simulated request asks for no prompt logprobs
+
+    @property
+    def prefix_root(self) -> int:
+        return 0  # nor has a cache salt
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output: the prompt's own where given, else ids of
         this request alone (negative, so no real token id equals one)."""
