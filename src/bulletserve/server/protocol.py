@@ -59,6 +59,14 @@ class UnencodableTextError(Exception):
 def check_text(body: object) -> None:
     """Raise UnencodableTextError naming the first string of `body` (parsed JSON: dicts,
     lists, scalars) that does not encode to UTF-8."""
+    try:
+        # The whole body through C first (a body of 400,000 empty messages, 13 MB: 0.16 s,
+        # where the walk below took 0.58 s); the walk finds the culprit's path, or checks what
+        # is not JSON (models built in code).
+        json.dumps(body, ensure_ascii=False, check_circular=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, TypeError):
+        pass
     stack: list[tuple[object, str]] = [(body, "")]
     while stack:
         value, path = stack.pop()
