@@ -10,12 +10,15 @@ from typing import TYPE_CHECKING
 # once it manages more threads than there are cores; two thread teams (two lanes, or a loader
 # thread and a compute thread) are enough on a 2-core machine, and every parallel op then pays
 # a futex wake-up (measured 31 us per small op instead of 16-19 us). An active wait policy
-# raises that floor to 1000 spins; the explicit spin count keeps the ordinary wait at libgomp's
-# default (about 3 ms) before a worker sleeps. It takes effect only if torch is not loaded yet,
-# and never over the user's own OpenMP settings.
+# raises that floor to 1000 spins. The spin count keeps the ordinary wait there too before a
+# worker sleeps: libgomp's default (300,000, about 3 ms) left a server that shares its cores
+# with another busy process spinning while the thread it waited for was descheduled (a burst
+# 6-15x slower than alone; with 1000, 1.9x, and alone within 2%: docs/benchmarks.md, "Threads
+# on shared cores"). It takes effect only if torch is not loaded yet, and never over the
+# user's own OpenMP settings.
 if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
     os.environ["OMP_WAIT_POLICY"] = "active"
-    os.environ["GOMP_SPINCOUNT"] = "300000"
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 
 # oneDNN builds (JIT-compiles) a GEMM kernel for every row count and thread count it meets and
 # keeps 1,024 of them; a CPU engine builds those of every padded row count up to

@@ -476,6 +476,16 @@ def test_echo_puts_the_prompt_before_the_text(client):
         model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True
     )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    # With logprobs, the prompt's tokens and logprobs come first (none for its first token).
+    scored = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
+    logprobs = scored.choices[0].logprobs
+    size = scored.usage.prompt_tokens
+    assert len(logprobs.tokens) == size + 4 and logprobs.token_logprobs[0] is None
+    assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert scored.choices[0].text == echoed.choices[0].text
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(url):
