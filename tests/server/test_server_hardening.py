@@ -190,6 +190,44 @@ def test_partial_headers_are_timed_out():
         engine.shutdown()
 
 
+def test_a_chat_body_past_the_structure_bounds_is_refused_before_it_stalls_the_server(url):
+    """400,000 empty messages (13 MB, under the body limit) held the event loop 1.9 s while
+    pydantic validated them, the GIL held throughout: /health waited as long. The structure is
+    now counted first (a 400 naming the field); the loop's work is then parsing the JSON."""
+    huge = json.dumps({"messages": [{"role": "user", "content": ""}] * 400_000}).encode()
+    outcome = {}
+
+    def send() -> None:
+        headers = {"content-type": "application/json"}
+        outcome["response"] = httpx.post(
+            url + "/v1/chat/completions", content=huge, headers=headers, trust_env=False, timeout=60
+        )
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    with httpx.Client(trust_env=False, timeout=30) as client:
+        for _ in range(2000):  # bounded: the request ends in well under a second
+            if not sender.is_alive():
+                break
+            start = time.monotonic()
+            assert client.get(url + "/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.01)
+    sender.join(60)
+    error = outcome["response"].json()["error"]
+    assert outcome["response"].status_code == 400 and error["param"] == "messages"
+    assert slowest < 1.0  # a liveness bound with room for a slow machine (1.9 s before)
+    parts = [{"type": "text", "text": ""}] * 20_000
+    body = {"messages": [{"role": "user", "content": parts}]}
+    response = httpx.post(url + "/v1/chat/completions", json=body, trust_env=False, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool] * 2000}
+    response = httpx.post(url + "/v1/chat/completions", json=body, trust_env=False, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
 def test_a_stalled_body_is_answered_408_and_its_connection_closed():
     """Headers complete, the body stalled: without a deadline of its own the connection was
     held for 45 s or more."""

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from bulletserve.server.protocol import ErrorInfo, ErrorResponse, UnencodableTextError
+from bulletserve.server.protocol import BodyError, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.headers)
 
-    @app.exception_handler(UnencodableTextError)
-    async def _unencodable(_: Request, exc: UnencodableTextError) -> JSONResponse:
-        return error_response(400, str(exc), exc.path)
+    @app.exception_handler(BodyError)
+    async def _refused_body(_: Request, exc: BodyError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

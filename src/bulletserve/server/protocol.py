@@ -45,19 +45,55 @@ REFUSED: dict[str, Any] = {
 }
 
 
-class UnencodableTextError(Exception):
-    """A request body's string (a value or a key) that is not valid Unicode text: JSON's
-    `"\\ud800"` escapes give Python a lone UTF-16 surrogate, which no tokenizer or UTF-8
-    encoder takes. Raised (not a ValueError, so pydantic lets it through) from a body's
-    validation; the server answers it with a 400 naming `path`."""
+# Bounds on a chat body's structure, checked before it is validated: pydantic validates on the
+# event loop and holds the GIL throughout (400,000 empty messages, 13 MB: 0.8 s in which
+# nothing else on the server ran). No context holds more messages than this, each costing
+# template tokens.
+MAX_MESSAGES = 16384
+MAX_MESSAGE_ITEMS = 16384  # content parts and tool calls, over all messages
+MAX_TOOLS = 1024
 
-    def __init__(self, path: str) -> None:
-        super().__init__(f"{path}: a lone UTF-16 surrogate is not valid text")
-        self.path = path
+
+class BodyError(Exception):
+    """A request body the server refuses before validating it: a string that is not valid
+    Unicode text (JSON's `"\\ud800"` escapes give Python a lone UTF-16 surrogate, which no
+    tokenizer or UTF-8 encoder takes), or a structure past the bounds above. Raised (not a
+    ValueError, so pydantic lets it through) from a body's validation; the server answers it
+    with a 400 naming `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_structure(body: object) -> None:
+    """Raise BodyError where a chat body has more messages, content parts and tool calls, or
+    tools than the bounds (counted in a few ms: lists' lengths, one pass over the messages)."""
+    if not isinstance(body, dict):
+        return
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise BodyError("messages", f"messages: {len(messages)} is more than {MAX_MESSAGES}")
+        items = sum(
+            len(value)
+            for message in messages
+            if isinstance(message, dict)
+            for value in (message.get("content"), message.get("tool_calls"))
+            if isinstance(value, list)
+        )
+        if items > MAX_MESSAGE_ITEMS:
+            raise BodyError(
+                "messages",
+                f"messages: {items} content parts and tool calls is more than {MAX_MESSAGE_ITEMS}",
+            )
+    tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise BodyError("tools", f"tools: {len(tools)} is more than {MAX_TOOLS}")
 
 
 def check_text(body: object) -> None:
-    """Raise UnencodableTextError naming the first string of `body` (parsed JSON: dicts,
+    """Raise BodyError naming the first string of `body` (parsed JSON: dicts,
     lists, scalars) that does not encode to UTF-8."""
     try:
         # The whole body through C first (a body of 400,000 empty messages, 13 MB: 0.16 s,
@@ -72,14 +108,18 @@ def check_text(body: object) -> None:
         value, path = stack.pop()
         if isinstance(value, str):
             if not _is_text(value):
-                raise UnencodableTextError(path or "body")
+                raise _unencodable(path or "body")
         elif isinstance(value, dict):
             for key, item in value.items():
                 if not _is_text(str(key)):  # named by its object: the key cannot be shown
-                    raise UnencodableTextError(f"{path or 'body'} (a key)")
+                    raise _unencodable(f"{path or 'body'} (a key)")
                 stack.append((item, f"{path}.{key}" if path else str(key)))
         elif isinstance(value, list):
             stack.extend((item, f"{path}.{index}") for index, item in enumerate(value))
+
+
+def _unencodable(path: str) -> BodyError:
+    return BodyError(path, f"{path}: a lone UTF-16 surrogate is not valid text")
 
 
 def _is_text(value: str) -> bool:
@@ -99,11 +139,13 @@ class _Request(BaseModel):
 
 
 class _Body(_Request):
-    """A whole request body: every string in it, at any depth, is checked once to be text."""
+    """A whole request body: its structure checked against the bounds, then every string in
+    it, at any depth, checked once to be text."""
 
     @model_validator(mode="before")
     @classmethod
-    def _text(cls, data: Any) -> Any:
+    def _bounded_text(cls, data: Any) -> Any:
+        check_structure(data)
         check_text(data)
         return data
 
