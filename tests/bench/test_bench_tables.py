@@ -63,3 +63,25 @@ def test_a_sweep_table_and_its_misses(tmp_path, capsys):
     assert main(["bench", "misses", str(path)]) == 0
     misses = capsys.readouterr().out.splitlines()
     assert misses[0].startswith("| config | rate | requests |") and len(misses) == 2 + 3
+
+
+def test_a_run_made_without_slos_asks_for_them(tmp_path, capsys):
+    """`bench table` and `bench misses` crashed with KeyError: 'slo' on a run made without
+    SLO flags; they name --slo, and score the run at the SLOs it gives."""
+    result = _result("chunked-512", (1.0,), seed=0)
+    for run in result.runs:
+        del run.summary["slo"]
+    path = tmp_path / "no-slo.json"
+    result.save(path)
+    for action in ("table", "misses"):
+        assert main(["bench", action, str(path)]) == 2
+        assert "--slo" in capsys.readouterr().err
+        assert main(["bench", action, str(path), "--slo", "0,3,150"]) == 0
+        assert "| chunked-512 | 1 |" in capsys.readouterr().out
+
+
+def test_the_sdks_base_url_form_names_the_same_server():
+    from bulletserve.bench.client import server_root
+
+    for given in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert server_root(given) == "http://h:8000"

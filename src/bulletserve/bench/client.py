@@ -22,6 +22,13 @@ from bulletserve.bench.records import RequestRecord
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
+def server_root(base_url: str) -> str:
+    """The server's root URL from `base_url` as a user gives it: with or without a trailing
+    slash, or in the OpenAI SDK's form, ending in /v1."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
 class ServerUnreachable(RuntimeError):
     """No connection could be made to the server at all."""
 

@@ -23,16 +23,29 @@ def parse_slo(text: str) -> SLO:
     return SLO(per_token, tpot, base)
 
 
-def run_slo(run: RunResult) -> SLO:
-    """The SLOs a run was scored at."""
-    raw = run.summary["slo"]
+def run_slo(run: RunResult) -> SLO | None:
+    """The SLOs a run was scored at (None: it was made without SLO flags)."""
+    raw = run.summary.get("slo")
+    if raw is None:
+        return None
     return SLO(raw["ttft_per_token_ms"], raw["tpot_ms"], raw.get("ttft_base_ms", 0.0))
+
+
+def scoring_slo(run: RunResult, slo: SLO | None) -> SLO:
+    """`slo`, else the run's own; a ValueError naming `--slo` where it has none."""
+    chosen = slo or run_slo(run)
+    if chosen is None:
+        raise ValueError(
+            f"the run at {run.request_rate:g} req/s was made without SLO flags: give "
+            "--slo BASE_MS,PER_TOKEN_MS,TPOT_MS to score it"
+        )
+    return chosen
 
 
 def score_run(run: RunResult, slo: SLO | None, loose_factor: float) -> dict[str, float]:
     """One run's attainment at its SLOs (or `slo`) and at a TTFT SLO `loose_factor` times
     looser, goodput, output throughput, P90 TTFT and TPOT."""
-    slo = slo or run_slo(run)
+    slo = scoring_slo(run, slo)
     loose_slo = dataclasses.replace(
         slo,
         ttft_per_token_ms=slo.ttft_per_token_ms * loose_factor,
@@ -104,19 +117,20 @@ def sweep_table(
     return "\n".join(lines)
 
 
-def misses_table(results: list[BenchResult]) -> str:
+def misses_table(results: list[BenchResult], slo: SLO | None = None) -> str:
     """Per configuration and rate, the requests over their TTFT SLO, over the TPOT SLO, over
-    both, and failed (at each run's SLOs, as `bullet bench` scores attainment)."""
+    both, and failed (at `slo`, else at each run's SLOs, as `bullet bench` scores
+    attainment)."""
     lines = [
         "| config | rate | requests | TTFT missed | TPOT missed | both | failed |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for result in results:
         for run in result.runs:
-            slo = run_slo(run)
+            scored = scoring_slo(run, slo)
             done = [r for r in run.requests if r.success]
-            ttft = {r.index for r in done if r.ttft_s * 1e3 > slo.ttft_limit_ms(r.input_len)}
-            tpot = {r.index for r in done if (tpot_s(r) or 0.0) * 1e3 > slo.tpot_ms}
+            ttft = {r.index for r in done if r.ttft_s * 1e3 > scored.ttft_limit_ms(r.input_len)}
+            tpot = {r.index for r in done if (tpot_s(r) or 0.0) * 1e3 > scored.tpot_ms}
             lines.append(
                 f"| {result.label} | {run.request_rate:g} | {len(run.requests)} | {len(ttft)} | "
                 f"{len(tpot)} | {len(ttft & tpot)} | {len(run.requests) - len(done)} |"

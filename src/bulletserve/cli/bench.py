@@ -4,7 +4,7 @@ bullet bench --base-url URL --dataset SPEC --num-prompts N --request-rate R [...
 bullet bench compare A.json B.json ...
 bullet bench plot A.json B.json ... --out DIR
 bullet bench table A.json B.json ... [--slo BASE,PER_TOKEN,TPOT] [--loose-ttft-factor F]
-bullet bench misses A.json B.json ...
+bullet bench misses A.json B.json ... [--slo BASE,PER_TOKEN,TPOT]
 bullet bench merge --out DIR A.json B.json ...
 """
 
@@ -53,6 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     table.add_argument("--loose-ttft-factor", type=float, default=2.0, metavar="F")
     misses = actions.add_parser("misses", help="which SLO each configuration's requests missed")
     misses.add_argument("files", nargs="+", type=Path, metavar="RESULT.json")
+    misses.add_argument(
+        "--slo", metavar="BASE_MS,PER_TOKEN_MS,TPOT_MS", help="score at these TTFT/TPOT SLOs"
+    )
     merge = actions.add_parser(
         "merge", help="one result per configuration from several sweeps (reruns replace runs)"
     )
@@ -186,16 +189,19 @@ def _tables(args: argparse.Namespace) -> int:
             print(f"{path}: {label}, rates {', '.join(f'{r.request_rate:g}' for r in result.runs)}")
         return 0
     results = _load_all(args.files)
-    if args.bench_action == "misses":
-        print(tables.misses_table(results))
-        return 0
     try:
         slo = tables.parse_slo(args.slo) if args.slo else None
     except ValueError as exc:
         raise CLIError(f"--slo: {exc}") from None
-    if not args.loose_ttft_factor > 0:
-        raise CLIError(f"--loose-ttft-factor must be > 0, not {args.loose_ttft_factor}")
-    print(tables.sweep_table(results, slo, args.loose_ttft_factor))
+    try:
+        if args.bench_action == "misses":
+            print(tables.misses_table(results, slo))
+            return 0
+        if not args.loose_ttft_factor > 0:
+            raise CLIError(f"--loose-ttft-factor must be > 0, not {args.loose_ttft_factor}")
+        print(tables.sweep_table(results, slo, args.loose_ttft_factor))
+    except ValueError as exc:  # a run without SLOs and no --slo
+        raise CLIError(str(exc)) from None
     return 0
 
 
@@ -209,14 +215,14 @@ def _load_all(paths: list[Path]) -> list:
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
-    from bulletserve.bench.client import ServerUnreachable
+    from bulletserve.bench.client import ServerUnreachable, server_root
     from bulletserve.bench.datasets import RandomLengths
     from bulletserve.bench.report import summary_table
     from bulletserve.bench.sweep import BenchConfig, run_benchmark
     from bulletserve.bench.tokenizer import bench_tokenizer
 
     config = BenchConfig(
-        base_url=args.base_url,
+        base_url=server_root(args.base_url),
         dataset=args.dataset,
         num_prompts=args.num_prompts,
         request_rates=_rates(args),
