@@ -19,6 +19,9 @@ def test_simulate_writes_a_bench_result_that_compare_and_plot_take(tmp_path, cap
         ]
     )  # fmt: skip
     assert code == 0
+    printed = capsys.readouterr().out  # simulated seconds are named so, not a benchmark's
+    assert "Simulated Serving Result" in printed and "Simulated duration (s)" in printed
+    assert "Benchmark" not in printed
     result = load_result(out)
     assert result.simulated and result.hardware == "H100-SXM"
     assert result.label == "bullet-static" and [r.request_rate for r in result.runs] == [5, 10]

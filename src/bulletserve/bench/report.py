@@ -55,10 +55,12 @@ def rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def summary_table(run: RunResult) -> str:
-    """vLLM-style result block for one load level."""
+def summary_table(run: RunResult, simulated: bool = False) -> str:
+    """vLLM-style result block for one load level (`simulated`: of a simulator's run, whose
+    times are simulated seconds)."""
     s = run.summary
-    lines = [f" Serving Benchmark Result (rate {rate_name(run.request_rate)}) ".center(_WIDTH, "=")]
+    kind = "Simulated Serving Result" if simulated else "Serving Benchmark Result"
+    lines = [f" {kind} (rate {rate_name(run.request_rate)}) ".center(_WIDTH, "=")]
 
     def row(title: str, value: float | None) -> None:
         lines.append(f"{title:<40} {_fmt(value):>11}")
@@ -67,7 +69,7 @@ def summary_table(run: RunResult) -> str:
     row("Failed requests:", s["failed"])
     if run.max_concurrency:
         row("Maximum request concurrency:", run.max_concurrency)
-    row("Benchmark duration (s):", s["duration_s"])
+    row("Simulated duration (s):" if simulated else "Benchmark duration (s):", s["duration_s"])
     row("Total input tokens:", s["total_input_tokens"])
     row("Total generated tokens:", s["total_output_tokens"])
     row("Request throughput (req/s):", s["request_throughput"])

@@ -196,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         result = simulate(
-            config, args.step_log, on_run=lambda run: print(summary_table(run), flush=True)
+            config,
+            args.step_log,
+            on_run=lambda run: print(summary_table(run, simulated=True), flush=True),
         )
     except (SimSetupError, DatasetError) as exc:
         raise CLIError(str(exc)) from None

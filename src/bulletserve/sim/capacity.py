@@ -1,7 +1,6 @@
 r"""Capacity at an SLO, simulated: for each workload and policy, the highest Poisson rate that
 keeps SLO attainment at or above a target (90% by default), and Bullet's rate over the best
-baseline's. This is the lanes issue's target ("the highest rate that keeps 90% SLO attainment
-is at least 1.2x the best baseline's") asked of a modeled device instead of a measured one.
+baseline's, on a modeled device (a preset or a measured profile).
 
 python -m bulletserve.sim.capacity --hardware a100-80g --model llama-3.1-8b \
     --out docs/sim-capacity.png [--results GRIDS.json] [--seeds 0,1,2] [--workers 2]
@@ -257,28 +256,63 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--hardware", default="a100-80g")
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--workloads", default=",".join(DEFAULT_GRIDS))
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument(
+        "--hardware",
+        default="a100-80g",
+        help="a device preset (a100-80g, h100, h200, h20) or a profile JSON from `bullet profile`"
+        " (default: %(default)s)",
+    )
+    parser.add_argument("--model", default="llama-3.1-8b", help="(default: %(default)s)")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_GRIDS),
+        help="comma-separated dataset presets (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated: bullet, chunked-N (N-token chunks), prefill-first, and "
+        "bullet-without-RULE[+RULE] ablations (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="the attainment at a rate is their median (%(default)s)"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=1000, help="requests per run (default: %(default)s)"
+    )
     parser.add_argument(
         "--rates", type=parse_rates, help="one grid for every workload (default: per workload)"
     )
-    parser.add_argument("--target", type=float, default=TARGET)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument(
+        "--target", type=float, default=TARGET, help="attainment to keep (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="GPUs of one node the model is sharded over (default: %(default)s)",
+    )
+    parser.add_argument("--max-model-len", type=int, help="(default: the model's)")
     parser.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (CPU profiles)")
     parser.add_argument(
         "--device-memory-gib", type=float, help="device memory of a profile the presets lack"
     )
     slo = parser.add_argument_group("SLOs (default: the paper's for the workload)")
-    slo.add_argument("--slo-ttft-per-token-ms", type=float)
-    slo.add_argument("--slo-ttft-base-ms", type=float, default=0.0)
-    slo.add_argument("--slo-tpot-ms", type=float)
-    parser.add_argument("--workers", type=int, default=1)
+    slo.add_argument("--slo-ttft-per-token-ms", type=float, help="TTFT SLO per prompt token")
+    slo.add_argument(
+        "--slo-ttft-base-ms", type=float, default=0.0, help="a fixed part of the TTFT SLO (0)"
+    )
+    slo.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="processes running simulations (%(default)s)"
+    )
     parser.add_argument("--out", type=Path, help="the plot (PNG)")
     parser.add_argument("--results", type=Path, help="the attainment grids (JSON)")
     args = parser.parse_args(argv)
