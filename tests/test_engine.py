@@ -309,3 +309,34 @@ def test_an_unknown_dtype_names_the_flag():
     with pytest.raises(ValueError, match="--dtype must be auto or one of"):
         resolve_dtype("int3", torch.device("cpu"))
     assert resolve_dtype("fp32", torch.device("cpu")) == torch.float32
+
+
+def test_the_offline_api_takes_and_returns_what_vllms_does(tiny_llama_dir):
+    """`generate(prompts, sampling_params=...)`, `out.outputs[i].text / token_ids / logprobs /
+    finish_reason`, and `SamplingParams(n=...)`: a prompt's n sequences, seeded ones from seed
+    + k, as vLLM's parallel sampling."""
+    llm = _llm(tiny_llama_dir)
+    prompts = random_prompts(2, seed=31)
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, logprobs=1)
+    try:
+        outputs = llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        assert len(outputs) == 2
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert output.prompt_token_ids == prompt
+            assert [o.index for o in output.outputs] == [0, 1, 2]
+            assert len({tuple(o.token_ids) for o in output.outputs}) > 1  # seed, seed + 1, ...
+            for sequence in output.outputs:
+                assert len(sequence.token_ids) == 6 and sequence.finish_reason == "length"
+                assert sequence.cumulative_logprob == pytest.approx(
+                    sum(lp.logprob for lp in sequence.logprobs)
+                )
+            assert output.outputs[0].text == output.text  # the first is the output's own
+        # Sequence k is the request a prompt gets alone with seed + k.
+        alone = llm.generate([prompts[0]], SamplingParams(max_tokens=6, seed=6), use_tqdm=False)
+        assert alone[0].token_ids == outputs[0].outputs[1].token_ids
+        with pytest.raises(ValueError, match="n=2"):
+            llm.engine.add_request(prompts[0], SamplingParams(n=2))
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            SamplingParams(n=0)
+    finally:
+        llm.engine.close()

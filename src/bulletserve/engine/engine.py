@@ -204,6 +204,11 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Queue a request; raises ValueError for bad input before anything is queued."""
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: a request is one sequence; LLM.generate and the server run a "
+                "prompt's n sequences as n requests (SamplingParams.for_choice)"
+            )
         token_ids = self.tokenize(prompt)
         self.check_prompt(token_ids)
         grammar, bad_words_ids = self.front.decoding_state(params)

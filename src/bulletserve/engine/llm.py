@@ -1,7 +1,8 @@
-"""The offline API: `LLM(...).generate(prompts, params)`."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, shaped as vLLM's."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,41 +31,54 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A bad prompt raises before any request runs."""
+        """One output per prompt, in the order of `prompts`, its `outputs` the prompt's n
+        sequences (`SamplingParams.n`, each an engine request of its own; the first's fields
+        are also the output's own). A bad prompt raises before any request runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if params is None:
-            params = SamplingParams()
-        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            param_list = [sampling_params] * len(prompts)
+        else:
+            param_list = list(sampling_params)
         if len(param_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
         for prompt in prompts:
             self.engine.check_prompt(self.engine.tokenize(prompt))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
+        ids = [
+            [self.engine.add_request(prompt, params.for_choice(k)) for k in range(params.n)]
+            for prompt, params in zip(prompts, param_list, strict=True)
+        ]
+        group_of = {i: g for g, group in enumerate(ids) for i in group}
+        left = [len(group) for group in ids]  # per prompt, its sequences still running
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for output in self.engine.step():
                     if output.finished:
                         results[output.request_id] = output
-                        bar.update(1)
-        return [results[i] for i in ids]
+                        group = group_of[output.request_id]
+                        left[group] -= 1
+                        if not left[group]:
+                            bar.update(1)
+        return [_gathered([results[i] for i in group]) for group in ids]
 
     def chat(
         self,
         conversations: list[dict[str, str]] | list[list[dict[str, str]]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -84,3 +98,14 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _gathered(sequences: list[RequestOutput]) -> RequestOutput:
+    """A prompt's output: its first sequence's, with every sequence in `outputs`, indexed."""
+    first = sequences[0]
+    if len(sequences) == 1:
+        return first
+    outputs = [
+        dataclasses.replace(output.outputs[0], index=k) for k, output in enumerate(sequences)
+    ]
+    return dataclasses.replace(first, outputs=outputs)

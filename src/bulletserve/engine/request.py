@@ -121,8 +121,26 @@ class Request:
 
 
 @dataclass
+class CompletionOutput:
+    """One generated sequence of a prompt, as vLLM's `RequestOutput.outputs[i]`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of its tokens' logprobs, where they were asked for."""
+        return sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None
+
+
+@dataclass
 class RequestOutput:
-    """A snapshot of a request after a step: the whole output so far and what is new in it."""
+    """A snapshot of a request after a step: the whole output so far and what is new in it.
+    `outputs` is vLLM's shape of the same: the prompt's sequences (one per engine request;
+    `LLM.generate` gathers a prompt's n into its first's)."""
 
     request_id: str
     prompt: str | None
@@ -137,5 +155,13 @@ class RequestOutput:
     timings: RequestTimings
     # With prompt_logprobs: per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [
+                CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason)
+            ]
+
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from bulletserve.engine.structured import StructuredOutputs
@@ -15,6 +16,7 @@ class SamplingParams:
     runs beside it.
     """
 
+    n: int = 1  # sequences per prompt (LLM.generate and the server run one request each)
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -53,6 +55,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -119,3 +122,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def for_choice(self, k: int) -> SamplingParams:
+        """The settings of a prompt's k-th sequence, one engine request: a seeded request's
+        sequences draw from seed + k, as vLLM's parallel sampling does, so that they differ and
+        each is reproducible; only the first computes the prompt's logprobs (the same for
+        every sequence; the others then share its cached prompt)."""
+        if k == 0:
+            return dataclasses.replace(self, n=1) if self.n != 1 else self
+        seed = None if self.seed is None else self.seed + k
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=None)

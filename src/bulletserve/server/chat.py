@@ -35,7 +35,6 @@ from bulletserve.server.protocol import (
 from bulletserve.server.serving import (
     ChoiceWork,
     Serving,
-    choice_params,
     new_request_id,
     now,
     usage,
@@ -161,7 +160,7 @@ class ChatServing:
         except BaseException:
             admission.release()
             raise
-        choices = [ChoiceWork(k, 0, prompt_ids, choice_params(params, k)) for k in range(width)]
+        choices = [ChoiceWork(k, 0, prompt_ids, params.for_choice(k)) for k in range(width)]
         last = body.messages[-1]
         echo = ""
         if body.echo and last.role == "assistant":
@@ -201,7 +200,9 @@ class ChatServing:
             response_choices.append(
                 ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
             )
-        entries = finals[0].prompt_logprobs  # the first choice computed them (choice_params)
+        entries = finals[
+            0
+        ].prompt_logprobs  # the first choice computed them (SamplingParams.for_choice)
         response = ChatCompletionResponse(
             id=response_id,
             model=serving.model_name,

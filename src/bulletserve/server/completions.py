@@ -20,7 +20,6 @@ from bulletserve.server.protocol import (
 from bulletserve.server.serving import (
     ChoiceWork,
     Serving,
-    choice_params,
     new_request_id,
     now,
     usage,
@@ -73,8 +72,7 @@ class CompletionServing:
                 )
                 echoes.append(_prompt_text(serving, prompt, ids, body) if body.echo else "")
                 choices += [
-                    ChoiceWork(p * width + k, p, ids, choice_params(params, k))
-                    for k in range(width)
+                    ChoiceWork(p * width + k, p, ids, params.for_choice(k)) for k in range(width)
                 ]
         except BaseException:
             admission.release()
@@ -103,7 +101,7 @@ class CompletionServing:
         response_choices = []
         for index, final in enumerate(kept):
             prompt = index // body.n
-            # Only a prompt's first choice computed its logprobs (`choice_params`).
+            # Only a prompt's first choice computed its logprobs (`SamplingParams.for_choice`).
             first = finals[prompt * width]
             entries = first.prompt_logprobs
             logprobs_out = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 import uuid
@@ -358,17 +357,6 @@ class ChoiceWork:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
-
-
-def choice_params(params: SamplingParams, k: int) -> SamplingParams:
-    """The settings of a prompt's k-th choice: a seeded request's choices draw from seed + k,
-    as vLLM's parallel sampling does, so that they differ and each is reproducible. Only the
-    first computes the prompt's logprobs (the same for every choice; the others then share its
-    cached prompt)."""
-    if k == 0:
-        return params
-    seed = None if params.seed is None else params.seed + k
-    return dataclasses.replace(params, seed=seed, prompt_logprobs=None)
 
 
 def new_request_id(prefix: str) -> str:
