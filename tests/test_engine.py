@@ -340,3 +340,43 @@ def test_the_offline_api_takes_and_returns_what_vllms_does(tiny_llama_dir):
             SamplingParams(n=0)
     finally:
         llm.engine.close()
+
+
+def test_a_hugging_face_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    """`--model ORG/NAME` as vLLM takes it: the snapshot in the Hugging Face cache's own layout
+    (`models--ORG--NAME/snapshots/REV`, `refs/main`), found with local files only and named by
+    its id; an id not cached says how to fetch it."""
+    import huggingface_hub.constants
+
+    from bulletserve.model.source import ModelNotFoundError, resolve_model
+    from tests.tiny_models import make_hf_model
+
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    commit = "0123abcd" * 5  # the cache names snapshots by their full commit hash
+    snapshot = repo / "snapshots" / commit
+    make_hf_model("llama", snapshot, seed=1)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    source = resolve_model("tiny-org/tiny-llama")
+    assert source.path == snapshot and source.name == "tiny-org/tiny-llama"
+    assert resolve_model("tiny-org/tiny-llama", revision=commit).path == snapshot
+    llm = _llm("tiny-org/tiny-llama")
+    try:
+        assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids) == 12
+    finally:
+        llm.engine.close()
+    with pytest.raises(ModelNotFoundError, match="hf download tiny-org/absent"):
+        resolve_model("tiny-org/absent")
+    with pytest.raises(ModelNotFoundError, match="--revision v9"):
+        resolve_model("tiny-org/tiny-llama", revision="v9")
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(capsys):
+    """`bullet serve MODEL` as `vllm serve MODEL`; given twice, differently, it is refused."""
+    from bulletserve.cli import main
+
+    assert main(["serve", "tiny-org/not-cached"]) == 2
+    assert "hf download tiny-org/not-cached" in capsys.readouterr().err
+    assert main(["serve", "a/b", "--model", "c/d"]) == 2
+    assert "given twice" in capsys.readouterr().err

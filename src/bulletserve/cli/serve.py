@@ -18,6 +18,12 @@ from bulletserve.server.tools import TOOL_PARSERS
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     parser = subparsers.add_parser(name, help="serve the OpenAI-compatible API over HTTP")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (the same as --model)",
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
@@ -86,6 +92,11 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            given = f"{args.model_tag!r} and --model {args.model!r}"
+            raise CLIError(f"the model is given twice: {given}")
+        args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
     for flag in ("max_waiting_requests", "max_request_bytes"):

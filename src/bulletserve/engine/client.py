@@ -42,7 +42,7 @@ class ModelFront:
     @classmethod
     def load(cls, config: EngineConfig, source: ModelSource | None = None) -> ModelFront:
         """Everything but the weights of the model `--model` names (`source`, if resolved)."""
-        source = source or resolve_model(config.model, config.load_format)
+        source = source or resolve_model(config.model, config.load_format, config.revision)
         model_config = load_config(source)
         tokenizer = load_tokenizer(config.tokenizer or source)
         return cls(

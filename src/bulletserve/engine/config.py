@@ -13,6 +13,7 @@ from bulletserve.sched import POLICIES
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    revision: str | None = None  # of a Hugging Face id's snapshot in the local cache
     load_format: str = "auto"
     tokenizer: str | None = None  # a tokenizer or model folder; default: the model's own
     dtype: str = "auto"
@@ -84,7 +85,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=None,
-        help="HF folder, .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
+        help="a Hugging Face id found in the local Hugging Face cache (ORG/NAME), an HF "
+        "folder, a .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--revision",
+        default=None,
+        help="the snapshot of a Hugging Face id to use (a branch, tag or commit; default: main)",
     )
     group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     group.add_argument(

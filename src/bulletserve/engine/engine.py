@@ -86,7 +86,7 @@ class LLMEngine:
             logger.info(
                 "--dtype auto: float32, as this CPU has no native bf16 (AVX-512 bf16 or AMX)"
             )
-        self.source = resolve_model(config.model, config.load_format)
+        self.source = resolve_model(config.model, config.load_format, config.revision)
         self.front = ModelFront.load(config, self.source)
         self.tokenizer = self.front.tokenizer
         self.max_model_len = self.front.max_model_len

@@ -220,7 +220,7 @@ def _follow(
         torch.set_num_threads(rank_threads(config))
     tp = TensorParallel.join(rank, size, init_method, backend, COLLECTIVE_TIMEOUT_S)
     dtype = resolve_dtype(config.dtype, device)
-    source = resolve_model(config.model, config.load_format)
+    source = resolve_model(config.model, config.load_format, config.revision)
     max_model_len = config.max_model_len or load_config(source).max_position_embeddings
     side = build_device_side(config, source, device, dtype, max_model_len, tp)
     units = lane_units(device, rank_threads(config)) if config.policy == "bullet" else None

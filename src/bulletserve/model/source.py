@@ -1,10 +1,12 @@
-"""Where a model comes from: the embedded default, an HF folder, a GGUF file or a preset."""
+"""Where a model comes from: the embedded default, an HF folder (or a Hugging Face id found in
+the local Hugging Face cache), a GGUF file or a preset."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +51,11 @@ def default_model_file() -> Path:
     return files[0]
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
-    """Turn `--model` and `--load-format` into a ModelSource, or raise a clear error."""
+def resolve_model(
+    model: str | None, load_format: str = "auto", revision: str | None = None
+) -> ModelSource:
+    """Turn `--model` (and `--revision`, for a Hugging Face id) and `--load-format` into a
+    ModelSource, or raise a clear error."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"--load-format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}"
@@ -70,6 +75,9 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
             )
         return ModelSource("gguf", path, None, DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
+    name = None
+    if not path.exists() and REPO_ID.fullmatch(model):
+        path, name = hub_snapshot(model, revision), model
     if not path.exists():
         hint = " (a dummy preset? add --load-format dummy)" if model in PRESETS else ""
         raise ModelNotFoundError(f"model path {model!r} does not exist{hint}")
@@ -80,12 +88,12 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
                 raise ModelNotFoundError(
                     f"expected exactly one .gguf file in {path}, found {len(ggufs)}"
                 )
-            return ModelSource("gguf", ggufs[0], None, path.name)
+            return ModelSource("gguf", ggufs[0], None, name or path.name)
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
         if not any(path.glob("*.safetensors")):
             raise ModelNotFoundError(f"{path} has no *.safetensors weight files")
-        return ModelSource("safetensors", path, None, path.name)
+        return ModelSource("safetensors", path, None, name or path.name)
     if load_format == "safetensors":
         raise ModelNotFoundError(
             f"--load-format safetensors needs a model folder, {path} is a file"
@@ -93,6 +101,29 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     if path.suffix != ".gguf" and load_format == "auto":
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
     return ModelSource("gguf", path, None, path.stem)
+
+
+# A Hugging Face model id: ORG/NAME.
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The folder of `repo_id` (at `revision`, default the cache's main) in the local Hugging
+    Face cache (HF_HOME / HF_HUB_CACHE), through huggingface_hub with local files only: this
+    never downloads. ModelNotFoundError, saying how to fetch it, where it is not cached."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except LocalEntryNotFoundError:
+        at = f" at revision {revision}" if revision else ""
+        fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+        raise ModelNotFoundError(
+            f"{repo_id!r}{at} is neither a path nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}): fetch it with `{fetch}`, or pass a folder"
+        ) from None
+    return Path(folder)
 
 
 def cache_dir_for(file: Path, kind: str) -> Path:
