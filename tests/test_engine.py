@@ -380,3 +380,27 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
     assert "hf download tiny-org/not-cached" in capsys.readouterr().err
     assert main(["serve", "a/b", "--model", "c/d"]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_flags_a_vllm_user_types(capsys, tmp_path):
+    """--trust-remote-code accepted (it changes nothing here), --quantization refused with what
+    runs instead, --uvicorn-log-level as --log-level, --chat-template a file or inline, and an
+    unknown flag names the closest known one."""
+    from bulletserve.cli import CLIError, build_parser, main
+    from bulletserve.cli.serve import _chat_template
+
+    assert main(["serve", "--trust-remote-code", "tiny-org/not-cached"]) == 2
+    assert "hf download" in capsys.readouterr().err  # parsed, and on to the model
+    assert main(["serve", "--quantization", "awq"]) == 2
+    assert "no quantization is supported yet" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "warning"])
+    assert args.log_level == "warning"
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    assert _chat_template(str(template)) == "{{ messages }}"
+    assert _chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
+    with pytest.raises(CLIError, match="no such file"):
+        _chat_template(str(tmp_path / "absent.jinja"))
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-num-seqz", "4"])
+    assert "did you mean --max-num-seqs?" in capsys.readouterr().err

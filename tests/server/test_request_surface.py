@@ -624,3 +624,21 @@ def test_a_clients_request_id_names_the_response(client):
     assert response.id == "cmpl-mine-1"
     again = chat(client, max_tokens=2, extra_body={"request_id": "mine-1"})
     assert again.id == "chatcmpl-mine-1"
+
+
+def test_a_chat_template_given_to_the_server_replaces_the_tokenizers(engine):
+    """vLLM's --chat-template (a file or the template inline): chat and /tokenize render with
+    it."""
+    template = (TEMPLATES / "llama3.1-tools.jinja").read_text()
+    body = {"messages": MESSAGES, "return_token_strs": False}
+    with running_app(engine, chat_template=template) as url:
+        tokens = httpx.post(url + "/tokenize", json=body, trust_env=False).json()["tokens"]
+        text = httpx.post(url + "/detokenize", json={"tokens": tokens}, trust_env=False).json()
+        answer = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
+            trust_env=False,
+        )
+    assert "<|start_header_id|>user<|end_header_id|>" in text["prompt"]
+    assert answer.status_code == 200
+    assert answer.json()["usage"]["prompt_tokens"] == len(tokens)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
+from typing import NoReturn
 
 # Subcommand name -> module under bulletserve.cli. Modules are imported lazily so that
 # `bullet bench` does not pay for torch and `bullet --help` stays fast.
@@ -21,8 +23,42 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2, no stack trace."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """An unknown flag's error names the closest known one (`--max-num-seq`: did you mean
+    `--max-num-seqs`?)."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = {
+                option
+                for action in _every_action(self)
+                for option in action.option_strings
+                if option.startswith("--")
+            }
+            hints = []
+            for given in message[len(prefix) :].split():
+                flag = given.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+                if flag.startswith("--") and close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
+        super().error(message)
+
+
+def _every_action(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's actions and those of its subcommands' parsers."""
+    actions = list(parser._actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                actions += _every_action(sub)
+    return actions
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bullet", description=__doc__)
+    parser = _Parser(prog="bullet", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         importlib.import_module(module_name).add_parser(subparsers, name)

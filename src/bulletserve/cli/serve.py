@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from bulletserve.cli import CLIError
 from bulletserve.engine.config import EngineConfig, add_engine_args
@@ -54,7 +55,17 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them",
     )
     server.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+        "--log-level",
+        "--uvicorn-log-level",
+        dest="log_level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template to use instead of the tokenizer's: a file, or the "
+        "template itself (as vLLM's)",
     )
     tools = parser.add_argument_group("tool calling")
     tools.add_argument(
@@ -91,6 +102,19 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     parser.set_defaults(run=run)
 
 
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template's text: a file's, or the value itself where it names no file (a
+    template has a `{`, a path none)."""
+    if value is None:
+        return None
+    if "{" not in value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise CLIError(f"--chat-template {value!r}: no such file (nor a template inline)")
+        return path.read_text()
+    return value
+
+
 def _check(args: argparse.Namespace) -> None:
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -121,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.server.launch import make_server
 
     _check(args)
+    chat_template = _chat_template(args.chat_template)
     engine: EngineClient
     try:
         config = EngineConfig.from_args(args)
@@ -139,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        chat_template=chat_template,
     )
     app = build_app(engine, settings)
     server = make_server(

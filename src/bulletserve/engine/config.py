@@ -77,6 +77,11 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        if getattr(args, "quantization", None) is not None:
+            raise ValueError(
+                f"--quantization {args.quantization}: no quantization is supported yet; the "
+                "weights run in --dtype (bfloat16, float16 or float32)"
+            )
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
@@ -87,6 +92,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a Hugging Face id found in the local Hugging Face cache (ORG/NAME), an HF "
         "folder, a .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted as vLLM's command lines give it: the models here run on bulletserve's "
+        "own implementation of their architecture, never on code from their repository, so "
+        "nothing is trusted and the flag changes nothing",
+    )
+    group.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="not supported yet: any value is refused (weights run in --dtype)",
     )
     group.add_argument(
         "--revision",

@@ -76,7 +76,7 @@ class ToolMode:
 class ChatServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        template = serving.tokenizer.chat_template
+        template = serving.settings.chat_template or serving.tokenizer.chat_template
         self.template = template if isinstance(template, str) else None
         self.takes_tools = template_takes_tools(self.template)
         self.parser = serving.settings.tool_call_parser or detect_parser(self.template)
@@ -111,6 +111,7 @@ class ChatServing:
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
+                chat_template=self.template,
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,

@@ -23,4 +23,7 @@ class ServerSettings:
     # Tool calling (vLLM's flags): whether tool_choice "auto" is served, and the output format
     # tool calls are parsed from (None: read off the chat template).
     enable_auto_tool_choice: bool = False
+    # A Jinja chat template (its text) to use instead of the tokenizer's (vLLM's
+    # --chat-template, which takes a file or the template inline).
+    chat_template: str | None = None
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
