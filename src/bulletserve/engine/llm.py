@@ -108,4 +108,4 @@ def _gathered(sequences: list[RequestOutput]) -> RequestOutput:
     outputs = [
         dataclasses.replace(output.outputs[0], index=k) for k, output in enumerate(sequences)
     ]
-    return dataclasses.replace(first, outputs=outputs)
+    return dataclasses.replace(first, sequences=outputs)

@@ -139,8 +139,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A snapshot of a request after a step: the whole output so far and what is new in it.
-    `outputs` is vLLM's shape of the same: the prompt's sequences (one per engine request;
-    `LLM.generate` gathers a prompt's n into its first's)."""
+    `outputs` is vLLM's shape of the same: the prompt's sequences (this request's alone, built
+    on access, off the per-step path; `LLM.generate` gathers a prompt's n into `sequences`)."""
 
     request_id: str
     prompt: str | None
@@ -155,13 +155,12 @@ class RequestOutput:
     timings: RequestTimings
     # With prompt_logprobs: per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    outputs: list[CompletionOutput] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.outputs:
-            self.outputs = [
-                CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason)
-            ]
-
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    sequences: list[CompletionOutput] | None = None  # a prompt's n, where gathered
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self.sequences is not None:
+            return self.sequences
+        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason)]

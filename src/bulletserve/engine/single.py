@@ -80,7 +80,6 @@ class SingleLane:
         for (request, _), work in zip(step.batch, works, strict=True):
             if work.prompt_targets:
                 request.keep_prompt_logprobs(work.start, work.prompt_logprobs)
-        for request, _ in step.batch:
             if request.num_computed_tokens < request.num_tokens:
                 request.state = RequestState.PREFILLING
         # The runner's row order (prompts of one token sit with the decode rows).

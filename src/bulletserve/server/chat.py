@@ -201,18 +201,14 @@ class ChatServing:
             response_choices.append(
                 ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
             )
-        entries = finals[
-            0
-        ].prompt_logprobs  # the first choice computed them (SamplingParams.for_choice)
         response = ChatCompletionResponse(
             id=response_id,
             model=serving.model_name,
             choices=response_choices,
             usage=usage(ranked),
-            prompt_logprobs=(
-                serving.prompt_logprobs(entries, body.prompt_logprobs)
-                if body.prompt_logprobs is not None and entries is not None
-                else None
+            # The first choice computed them (SamplingParams.for_choice).
+            prompt_logprobs=serving.prompt_logprobs(
+                finals[0].prompt_logprobs, body.prompt_logprobs
             ),
         )
         return Response(response.model_dump_json(), media_type="application/json")

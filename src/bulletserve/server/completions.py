@@ -103,7 +103,6 @@ class CompletionServing:
             prompt = index // body.n
             # Only a prompt's first choice computed its logprobs (`SamplingParams.for_choice`).
             first = finals[prompt * width]
-            entries = first.prompt_logprobs
             logprobs_out = None
             if final.logprobs is not None and body.logprobs is not None:
                 logprobs_out = self.logprobs(final.logprobs, 0)
@@ -115,10 +114,8 @@ class CompletionServing:
                     text=echoes[prompt] + final.text,
                     logprobs=logprobs_out,
                     finish_reason=final.finish_reason,
-                    prompt_logprobs=(
-                        serving.prompt_logprobs(entries, body.prompt_logprobs)
-                        if body.prompt_logprobs is not None and entries is not None
-                        else None
+                    prompt_logprobs=serving.prompt_logprobs(
+                        first.prompt_logprobs, body.prompt_logprobs
                     ),
                 )
             )

@@ -204,9 +204,14 @@ class Serving:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
         return params
 
-    def prompt_logprobs(self, entries: list[TokenLogprob | None], top: int) -> PromptLogprobs:
+    def prompt_logprobs(
+        self, entries: list[TokenLogprob | None] | None, top: int | None
+    ) -> PromptLogprobs | None:
         """vLLM's `prompt_logprobs`: per prompt token but the first, the token itself and its
-        `top` likeliest alternatives, each with its logprob, rank and text."""
+        `top` likeliest alternatives, each with its logprob, rank and text (None where the
+        request asked for none)."""
+        if entries is None or top is None:
+            return None
         decode = self.tokenizer.decode
         result: PromptLogprobs = [None]
         for entry in entries[1:]:
