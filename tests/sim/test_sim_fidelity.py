@@ -60,7 +60,10 @@ def test_replaying_a_run_on_its_own_profile_matches(tmp_path, capsys, policy, ch
     argv += ["--num-gpu-blocks-override", "4000", "--out-dir", str(tmp_path / "sim")]
     assert fidelity.main(argv) == 0
     out = capsys.readouterr().out
-    assert "largest difference 0.0%" in out and "mean TPOT ms" in out
+    assert "largest difference 0.00x its target" in out and "mean TPOT ms" in out
+    # Attainment differs by points, not by a ratio: an exact replay differs by none.
+    attainment = [line for line in out.splitlines() if "| SLO attainment |" in line]
+    assert len(attainment) == 2 and all(line.endswith("| +0.000 |") for line in attainment)
     assert (tmp_path / "sim" / f"sim-{label}.json").exists()
 
 
@@ -95,7 +98,7 @@ def test_group_takes_medians_over_repeated_runs_and_their_spread(tmp_path, capsy
     ttft = next(line for line in out.splitlines() if "mean TTFT ms" in line)
     # The median run is 1.2x the simulation; the runs spread 2.0 / 1.0 - 1 = 100%.
     assert "(3) | 100% |" in ttft and "-16.7% * (within the spread)" in ttft
-    assert "1 of 3 figures differ by more than 15%, 1 of them by less than" in out
+    assert "1 of 4 figures differ by more than their target, 1 of them by less than" in out
 
 
 def test_policy_from_label():
@@ -173,7 +176,7 @@ def test_profile_per_run_replays_each_run_on_the_profile_taken_before_it(tmp_pat
     argv = [str(measured_path), "--profile-per-run", "--noise", "0"]
     assert fidelity.main(argv + ["--num-gpu-blocks-override", "4000"]) == 0
     out = capsys.readouterr().out
-    assert "largest difference 0.0%" in out and "0 of 6 figures" in out
+    assert "largest difference 0.00x its target" in out and "0 of 8 figures" in out
     # On one profile for both, the slow run's replay is off.
     argv = [str(measured_path), "--profile", str(fast), "--noise", "0"]
     assert fidelity.main(argv + ["--num-gpu-blocks-override", "4000"]) == 1
@@ -231,7 +234,7 @@ def test_served_speed_replays_a_run_at_its_step_logs_own_speed(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "served / predicted steps, prefill 2.00, decode 2.00" in out
     assert "host between steps 3.00 ms + 0.500 ms a row (profile 0.00 + 0.000)" in out
-    assert out.rstrip().endswith("largest difference 0.0% (target 15%; ** marks misses)")
+    assert "largest difference 0.00x its target" in out.splitlines()[-1]
     # A step log without each step's state (as written before 2026-12-01) cannot be used.
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     log.write_text(

@@ -1,1 +1,0 @@
-"""Measurements behind `bullet profile` (these modules import torch)."""
