@@ -31,6 +31,8 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/ruff format --check src tests scripts
+	# The import layers and the torch-free scheduling side (pyproject.toml, [tool.importlinter]).
+	$(BIN)/lint-imports --no-cache
 
 test: lint
 	$(BIN)/pytest -q -x --durations=15

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from bulletserve.partition import unit_provider
-from bulletserve.perf.measure.micro import gemm_rate
-from bulletserve.perf.measure.steps import StepBench
+from bulletserve.partition.measure import gemm_rate
+from bulletserve.profiling.steps import StepBench
 
 
 def _rows(title: str, rows: list[dict]) -> None:

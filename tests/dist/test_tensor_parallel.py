@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bulletserve.dist.parallel import RankFailedError, Shard, TensorParallel
-from bulletserve.dist.shard import weight_split
+from bulletserve.model.shard import weight_split
 from bulletserve.engine.async_engine import AsyncEngine
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.llm import LLM

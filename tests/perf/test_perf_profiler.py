@@ -11,16 +11,15 @@ from bulletserve.cli import main
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads, GreenContextSMs, UnitsUnavailableError
+from bulletserve.partition.measure import MicroPlan, measure_device, unit_counts
 from bulletserve.perf.hardware import Calibration, HardwareProfile
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.profiler import PLANS, measure_device, profile_device, unit_counts
 from bulletserve.perf.state import ExecutionState
+from bulletserve.profiling.profiler import PLANS, profile_device
 
 TINY_PLAN = dataclasses.replace(
     PLANS["quick"],
-    gemm_n=128,
-    bandwidth_bytes=1 << 20,
-    micro_repeats=1,
+    micro=MicroPlan(gemm_n=128, bandwidth_bytes=1 << 20, repeats=1, max_unit_counts=3),
     prefill_lens=(8, 32),
     decode_batches=(1, 4),
     decode_contexts=(16,),
@@ -37,7 +36,7 @@ def test_unit_counts_spread():
 
 def test_a_device_measured_for_an_engine_runs_and_holds_only_its_dtype():
     lines = []
-    hw = measure_device(CpuThreads(), TINY_PLAN, "at-start", lines.append, torch.float32)
+    hw = measure_device(CpuThreads(), TINY_PLAN.micro, "at-start", lines.append, torch.float32)
     assert set(hw.peak_flops) == {"float32"}
     assert hw.peak_flops["float32"] == hw.calibration.unit_sweep[-1].gemm_flops
     assert all("(float32)" in line for line in lines)
@@ -92,7 +91,7 @@ def test_the_step_bench_writes_its_whole_kv_pool_before_timing_anything():
     # no step had written, faulted in (or read as the zero page) inside the timed call.
     import psutil
 
-    from bulletserve.perf.measure.steps import StepBench
+    from bulletserve.profiling.steps import StepBench
 
     model = load_model(resolve_model("tiny", "dummy"), torch.float32, torch.device("cpu"), 64)
     per_token = model.config.kv_bytes_per_token(4)
@@ -131,9 +130,9 @@ def test_a_count_off_the_granularity_is_carved_as_the_remainder_beside_its_compl
 
 
 def test_gpu_micro_benchmarks_are_sized_past_launch_overhead_and_l2():
-    from bulletserve.perf.profiler import PLANS, micro_sizes
+    from bulletserve.partition.measure import QUICK, micro_sizes
 
-    quick = PLANS["quick"]
+    quick = QUICK
     assert micro_sizes(quick, "cpu") == (quick.gemm_n, quick.bandwidth_bytes)
     gemm_n, nbytes = micro_sizes(quick, "gpu")
     assert gemm_n >= 8192 and nbytes >= 1 << 30
@@ -142,7 +141,7 @@ def test_gpu_micro_benchmarks_are_sized_past_launch_overhead_and_l2():
 def test_every_plan_times_chat_sized_prompts():
     """Half of sharegpt-like's prompts are under 32 tokens, a fifth under 16: the profile
     measures them rather than clamp the alpha surface below its first point."""
-    from bulletserve.perf.profiler import PLANS
+    from bulletserve.profiling.profiler import PLANS
 
     for name, plan in PLANS.items():
         assert min(plan.prefill_lens) <= 16, name
@@ -152,7 +151,7 @@ def test_every_plan_times_co_running_prefills_as_short_as_its_shortest_prompt():
     """The co-running alpha surface clamps below its first point; on the CPU a 64-token prefill
     beside a decode ran at about twice the 256-token alpha, so a plan that started at 256
     predicted short prompts' co-running prefills faster than the same prompt alone."""
-    from bulletserve.perf.profiler import PLANS, plan_states
+    from bulletserve.profiling.profiler import PLANS, plan_states
 
     for name, plan in PLANS.items():
         assert min(plan.corun_prefill_lens) <= min(plan.prefill_lens), name
@@ -165,8 +164,8 @@ def test_host_cost_is_measured_on_a_real_engine():
     profile's sampler: host terms that are never negative, and an engine left as it was."""
     from bulletserve.engine.config import EngineConfig
     from bulletserve.engine.engine import LLMEngine
-    from bulletserve.perf.measure.host import PROMPT_TOKENS, outside_runner_s
-    from bulletserve.perf.profiler import profile_host
+    from bulletserve.profiling.host import PROMPT_TOKENS, outside_runner_s
+    from bulletserve.profiling.profiler import profile_host
 
     plan = dataclasses.replace(TINY_PLAN, decode_batches=(1, 4), host_tokens=8)
     source = resolve_model("tiny", "dummy")

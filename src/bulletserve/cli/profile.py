@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.model.loader import load_model, resolve_dtype
     from bulletserve.model.source import ModelNotFoundError, resolve_model
     from bulletserve.partition import UnitsUnavailableError, unit_provider
-    from bulletserve.perf.measure.host import PROMPT_TOKENS as HOST_PROMPT_TOKENS
-    from bulletserve.perf.profiler import PLANS, profile_device, profile_host
+    from bulletserve.profiling.host import PROMPT_TOKENS as HOST_PROMPT_TOKENS
+    from bulletserve.profiling.profiler import PLANS, profile_device, profile_host
 
     plan = PLANS["quick" if args.quick else "default"]
     started = time.perf_counter()

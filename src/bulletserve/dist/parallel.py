@@ -1,7 +1,7 @@
 """Tensor parallelism on torch.distributed: who this process is, the collectives the model
 calls, and the channels over which rank 0 tells the other ranks what to run.
 
-Every rank holds a shard of the weights (`dist.shard`) and of the KV pool (its KV heads) and
+Every rank holds a shard of the weights (`model.shard`) and of the KV pool (its KV heads) and
 runs every step rank 0's policy plans: rank 0 announces the step's work (pure data: token ids,
 positions, block tables, where it runs) on the lane's channel, then every rank runs the same
 forward, meeting at one all-reduce after attention and one after the MLP, and rank 0 gathers

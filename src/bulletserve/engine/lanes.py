@@ -33,9 +33,9 @@ from bulletserve.executor.record import Lane, write_step
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
+from bulletserve.partition.measure import DTYPE_NAMES, QUICK, measure_device
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.profiler import DTYPE_NAMES, PLANS, measure_device
 from bulletserve.sched.bullet import (
     BulletPlan,
     BulletPolicy,
@@ -157,9 +157,7 @@ class Lanes:
             "no --hardware-profile: measuring peak GEMM rate and bandwidth now (a few seconds); "
             "`bullet profile` gives the scheduler calibrated predictions"
         )
-        return measure_device(
-            self.units, PLANS["quick"], "measured-at-start", logger.info, self.dtype
-        )
+        return measure_device(self.units, QUICK, "measured-at-start", logger.info, self.dtype)
 
     # ---- the executor interface -------------------------------------------------------------
 

@@ -12,12 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bulletserve.dist.parallel import TensorParallel
-from bulletserve.dist.shard import weight_split
 from bulletserve.model.config import ModelConfig
 from bulletserve.model.cpu_kernels import fused_ops, packed_linear_kernel
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.gguf_reader import read_gguf
 from bulletserve.model.presets import get_preset
+from bulletserve.model.shard import weight_split
 from bulletserve.model.source import ModelSource, cache_dir_for, publish_cache_folder
 
 DTYPES = {

@@ -1,6 +1,6 @@
 """The engine's time per step outside the model runner (sampling, scheduling, block bookkeeping,
-detokenizing, building outputs), which the step sweeps do not see. Measured on a real engine,
-decoding batches of requests to the end."""
+detokenizing, building outputs), which the step sweeps do not see: the sampler's cost per logit
+alone, and the whole of it measured on a real engine decoding batches of requests to the end."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.request import Request, RequestTimings
+from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.partition import CpuThreads, GreenContextSMs
+from bulletserve.partition.measure import settle, time_call
 
 PROMPT_TOKENS = 64
 SKIPPED_STEPS = 3  # the first decode steps of a batch warm caches up
@@ -63,3 +69,27 @@ def outside_runner_s(
     finally:
         del runner.execute  # back to the class's method
     return points
+
+
+def sampling_cost(
+    units: CpuThreads | GreenContextSMs, vocab: int, rows: int, count: int, repeats: int
+) -> float:
+    """Seconds per logit (row x vocabulary entry) of the engine's sampler on `count` units, at
+    temperature 1 (what a request that sets none gets), over `rows` rows of float32 logits: the
+    median call, since the engine pays the typical call at every step."""
+    logits = torch.randn(rows, vocab, device=units.device)
+    requests = [
+        Request(f"sample-{i}", None, [0], SamplingParams(temperature=1.0), RequestTimings(0.0))
+        for i in range(rows)
+    ]
+    sampler = Sampler(0)
+    stop_ids = [frozenset()] * rows
+    settle(units.device)
+    with units.lane(count):
+        seconds = time_call(
+            lambda: sampler.sample(logits, requests, stop_ids),
+            units.synchronize,
+            repeats,
+            statistics.median,
+        )
+    return seconds / (rows * vocab)

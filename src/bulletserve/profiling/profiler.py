@@ -7,19 +7,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from bulletserve.engine.engine import LLMEngine
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.partition import CpuThreads, GreenContextSMs
-from bulletserve.perf.fit import StepSample, calibrate, saturation_units
-from bulletserve.perf.hardware import HardwareProfile, UnitPoint
-from bulletserve.perf.measure.host import outside_runner_s
-from bulletserve.perf.measure.micro import bandwidth, bandwidth_corun, gemm_rate, sampling_cost
-from bulletserve.perf.measure.steps import StepBench
+from bulletserve.partition.measure import (
+    DTYPE_NAMES,
+    QUICK,
+    MicroPlan,
+    bandwidth_corun,
+    measure_device,
+    micro_sizes,
+)
+from bulletserve.perf.fit import StepSample, calibrate
+from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.state import ExecutionState
-
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+from bulletserve.profiling.host import outside_runner_s, sampling_cost
+from bulletserve.profiling.steps import StepBench
 
 SAMPLING_ROWS = 64  # rows of logits the sampler's cost is measured on
 SAMPLING_REPEATS = 9  # calls the sampler's median cost is taken over (64 rows: ~6 ms a call)
@@ -27,9 +31,7 @@ SAMPLING_REPEATS = 9  # calls the sampler's median cost is taken over (64 rows: 
 
 @dataclass(frozen=True)
 class SweepPlan:
-    gemm_n: int
-    bandwidth_bytes: int
-    micro_repeats: int
+    micro: MicroPlan  # the GEMM and copy micro-benchmarks per unit count
     # Down to chat-sized prompts (half of sharegpt-like's are under 32 tokens, a fifth under
     # 16), which the alpha surface would otherwise extrapolate by clamping below its first
     # point.
@@ -41,7 +43,6 @@ class SweepPlan:
     corun_prefill_lens: tuple[int, ...]
     corun_decode_batches: tuple[int, ...]  # each against the middle prefill length
     repeats: int
-    max_unit_counts: int  # at most this many unit counts are swept (evenly spread)
     host_tokens: int  # tokens decoded at each of decode_batches to time the engine's host work
 
     @property
@@ -52,40 +53,26 @@ class SweepPlan:
 
 PLANS = {
     "default": SweepPlan(
-        gemm_n=2048,
-        bandwidth_bytes=256 << 20,
-        micro_repeats=5,
+        micro=MicroPlan(gemm_n=2048, bandwidth_bytes=256 << 20, repeats=5, max_unit_counts=6),
         prefill_lens=(8, 32, 128, 512, 1024, 2048),
         decode_batches=(1, 4, 16, 32, 64),
         decode_contexts=(128, 512, 1024),
         corun_prefill_lens=(8, 32, 128, 512, 2048),
         corun_decode_batches=(1, 4, 16, 64),
         repeats=3,
-        max_unit_counts=6,
         host_tokens=32,
     ),
     "quick": SweepPlan(
-        gemm_n=1024,
-        bandwidth_bytes=64 << 20,
-        micro_repeats=3,
+        micro=QUICK,  # what an engine without a profile measures at start
         prefill_lens=(16, 64, 256, 1024),
         decode_batches=(1, 8, 32),
         decode_contexts=(256,),
         corun_prefill_lens=(16, 64, 256, 1024),
         corun_decode_batches=(1, 8, 32),
         repeats=2,
-        max_unit_counts=3,
         host_tokens=16,
     ),
 }
-
-
-def unit_counts(valid: list[int], limit: int) -> list[int]:
-    """At most `limit` of the valid counts, spread evenly, always with the smallest and all."""
-    if len(valid) <= limit:
-        return valid
-    step = (len(valid) - 1) / (limit - 1)
-    return sorted({valid[round(i * step)] for i in range(limit)})
 
 
 def _es_prefill(lens: tuple[int, ...], units: int) -> ExecutionState:
@@ -94,53 +81,6 @@ def _es_prefill(lens: tuple[int, ...], units: int) -> ExecutionState:
 
 def _es_decode(batch: int, context: int, units: int) -> ExecutionState:
     return ExecutionState(decode_ctx=(context,) * batch, decode_units=units)
-
-
-def micro_sizes(plan: SweepPlan, kind: str) -> tuple[int, int]:
-    """(GEMM n, copy bytes) for the micro-benchmarks. A GPU needs larger ones than the plans'
-    CPU-sized defaults: on an H200 a 1024^3 GEMM measured 64-102 TFLOP/s where 8192^3 gave
-    793, and a 64 MB copy (about its 60 MB L2) 2.9 TB/s where the device's notes give 4.3 TB/s
-    for an 8.6 GB copy."""
-    if kind == "gpu":
-        return max(plan.gemm_n, 8192), max(plan.bandwidth_bytes, 2 << 30)
-    return plan.gemm_n, plan.bandwidth_bytes
-
-
-def measure_device(
-    units: CpuThreads | GreenContextSMs,
-    plan: SweepPlan,
-    name: str,
-    log: Callable[[str], None],
-    dtype: torch.dtype,
-) -> HardwareProfile:
-    """Peaks, N_d and the unit sweep; no step calibration yet. The GEMMs run in `dtype`, the
-    one the model computes in and the calibration is fitted for, and the profile holds that
-    dtype's peak only: others would cost time for nothing calibrated (on a CPU without native
-    bf16 a 1024^3 bf16 `torch.mm` ran at 0.9 GFLOP/s against 129 in fp32, see
-    model.loader.cpu_has_native_bf16)."""
-    gran, min_units = units.granularity, units.min_units
-    skeleton = HardwareProfile(
-        name, units.kind, True, units.total, gran, min_units, {"float32": 1.0}, 1.0, 1, 0.0
-    )
-    counts = unit_counts(skeleton.valid_units(), plan.max_unit_counts)
-    gemm_n, nbytes = micro_sizes(plan, units.kind)
-    sweep = []
-    for c in counts:
-        rate = gemm_rate(units, gemm_n, dtype, c, plan.micro_repeats)
-        bw = bandwidth(units, nbytes, c, plan.micro_repeats)
-        sweep.append(UnitPoint(c, rate, bw))
-        log(
-            f"  {c:>4} units: GEMM {rate / 1e9:9.1f} GFLOP/s ({DTYPE_NAMES[dtype]}), "
-            f"copy {bw / 1e9:7.1f} GB/s"
-        )
-    return dataclasses.replace(
-        skeleton,
-        peak_flops={DTYPE_NAMES[dtype]: sweep[-1].gemm_flops},  # the sweep ends on every unit
-        peak_bandwidth=max(p.bandwidth for p in sweep),
-        bandwidth_saturation_units=saturation_units(sweep),
-        gemm_tile=(128, 128) if units.kind == "gpu" else None,
-        calibration=dataclasses.replace(skeleton.calibration, unit_sweep=tuple(sweep)),
-    )
 
 
 def plan_states(plan: SweepPlan, counts: list[int], total: int) -> list[ExecutionState]:
@@ -191,11 +131,11 @@ def profile_device(
     torch_dtype = next(model.parameters()).dtype
     dtype = DTYPE_NAMES[torch_dtype]
     log("peak GEMM rate and copy bandwidth per unit count:")
-    hw = measure_device(units, plan, name, log, torch_dtype)
+    hw = measure_device(units, plan.micro, name, log, torch_dtype)
     counts = [p.units for p in hw.calibration.unit_sweep]
-    gemm_n, nbytes = micro_sizes(plan, units.kind)
+    gemm_n, nbytes = micro_sizes(plan.micro, units.kind)
     bw_corun = tuple(
-        (float(c), bandwidth_corun(units, nbytes, c, gemm_n, plan.micro_repeats, torch_dtype))
+        (float(c), bandwidth_corun(units, nbytes, c, gemm_n, plan.micro.repeats, torch_dtype))
         for c in counts
         if c < units.total
     )

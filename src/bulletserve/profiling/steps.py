@@ -13,8 +13,8 @@ from bulletserve.engine.runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.partition import CpuThreads, GreenContextSMs
+from bulletserve.partition.measure import time_call
 from bulletserve.perf.fit import StepSample
-from bulletserve.perf.measure.timing import time_call
 from bulletserve.perf.state import ExecutionState
 
 Units = CpuThreads | GreenContextSMs

@@ -1,6 +1,6 @@
 """Predicted vs measured step times on shapes not used for fitting (the docs benchmark).
 
-    python -m bulletserve.perf.validate [--quick] [--out-dir docs]
+    python -m bulletserve.profiling.validate [--quick] [--out-dir docs]
 
 Profiles this CPU with the embedded default model (as `bullet profile` does), measuring
 held-out prefill and decode shapes, alone and co-running, in the same rounds as the profile's
@@ -31,8 +31,8 @@ from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads
 from bulletserve.perf.fit import StepSample
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.profiler import PLANS, profile_device
 from bulletserve.perf.state import ExecutionState
+from bulletserve.profiling.profiler import PLANS, profile_device
 
 # Held-out shapes: none of these lengths, batches or contexts is in a profiling plan.
 PREFILL = [
@@ -83,7 +83,7 @@ def errors(pred: list[float], meas: list[float]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bulletserve.perf.validate")
+    parser = argparse.ArgumentParser(prog="python -m bulletserve.profiling.validate")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, help="measurement rounds (default: the plan's)")
     parser.add_argument("--out-dir", type=Path, default=Path("docs"))

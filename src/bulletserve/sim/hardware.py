@@ -74,7 +74,7 @@ def load_model_config(spec: str) -> ModelConfig:
 
 def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> float:
     """One rank's weights: its share of every layer and of the LM head, and the whole
-    embedding (the engine's layout, `dist.shard`)."""
+    embedding (the engine's layout, `model.shard`)."""
     embedding = cfg.vocab_size * cfg.hidden_size
     lm_head = 0 if cfg.tie_word_embeddings else embedding
     layers = cfg.num_parameters() - embedding - lm_head
