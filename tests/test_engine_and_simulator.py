@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 
-from bulletserve.bench.metrics import SLO
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.executor.record import read_step_log
 from bulletserve.perf.hardware import HardwareProfile
+from bulletserve.sched.slo import SLO
 from bulletserve.sim.clock import VirtualClock
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.hardware import load_model_config
@@ -117,16 +117,12 @@ def _drive_one_lane(engine, clock, requests) -> None:
 
 
 def _sim_config(profile_path, policy, partition, model_dir, num_blocks):
-    static = None
-    if partition.startswith("static:"):
-        static = tuple(int(x) for x in partition.removeprefix("static:").split("/"))
     return SimConfig(
         hardware=str(profile_path),
         model=str(model_dir / "config.json"),
         policy=policy,
         chunked_prefill_size=64,
-        partition="static" if static else partition,
-        static_split=static,
+        partition=partition,
         slo=SLO_MS,
         noise=0.0,
         dtype="float32",

@@ -22,11 +22,11 @@ from bulletserve.sched.bullet import (
     LatencyStats,
     LatencyWindow,
     PrefillInFlight,
-    Slo,
     Split,
     UnitSpace,
 )
 from bulletserve.sched.bullet.types import MODEL_ERROR_STEPS
+from bulletserve.sched.slo import SLO
 
 H100 = load_preset("h100-sxm")
 CPU = dataclasses.replace(
@@ -51,7 +51,7 @@ def make_policy(
         perf=PerfModel(cfg, hw, "bfloat16"),
         units=UnitSpace(hw.units, hw.unit_granularity, hw.min_units, min_remainder),
         num_layers=cfg.num_layers,
-        slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.15),
+        slo=SLO(3.0, 150.0),
         layers_per_step=layers_per_step,
         partition=partition,
         static_split=static,
@@ -499,7 +499,7 @@ def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_for_late_prompt
     cost the same however few prompt tokens ride with them). Where recent first tokens are
     late and recent TPOT holds, the whole batch fuses past the budget (`fused-ttft-first`);
     not while TPOT misses."""
-    policy = dataclasses.replace(POLICIES["h100"], slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.03))
+    policy = dataclasses.replace(POLICIES["h100"], slo=SLO(3.0, 30.0))
     budget = policy.slo.tpot_s * 0.8
     rows = (1001,) * 64
 
@@ -598,7 +598,7 @@ def test_the_chunked_plan_fills_the_token_budget_where_the_model_is_off():
 
 
 def test_the_window_tracks_the_models_recent_error():
-    window = LatencyWindow(Slo(ttft_per_token_s=1e-3, tpot_s=0.1), size=64)
+    window = LatencyWindow(SLO(1.0, 100.0), size=64)
     for _ in range(MODEL_ERROR_STEPS - 1):
         window.step(predicted_s=0.1, measured_s=0.2)
     assert window.stats().model_error is None  # too few steps to judge
@@ -610,7 +610,7 @@ def test_the_window_tracks_the_models_recent_error():
 
 
 def test_the_window_counts_ttft_at_the_first_token():
-    window = LatencyWindow(Slo(ttft_per_token_s=1e-3, tpot_s=0.1), size=64)
+    window = LatencyWindow(SLO(1.0, 100.0), size=64)
     window.first_token(0.2, 100)  # twice its 100 ms SLO, while the request still decodes
     assert window.stats() == LatencyStats(p90_ttft_over_slo=pytest.approx(2.0))
     window.finished(0.05)
@@ -636,7 +636,7 @@ def test_ttft_slo_with_a_fixed_part():
     0.1 s is at risk on 3 ms/token alone (30 ms budget) but not with 500 ms more; the window
     tracks each TTFT over its own request's SLO."""
     cfg = PRESETS["llama-3.1-8b"]
-    slo = Slo(ttft_per_token_s=3e-3, tpot_s=0.15, ttft_base_s=0.5)
+    slo = SLO(3.0, 150.0, 500.0)
     policy = make_policy(H100)
     with_base = BulletPolicy(
         perf=policy.perf,
@@ -691,7 +691,7 @@ RULE_CASES = {
         _rule_snapshot(PROMPT, _decoding(4), dataclasses.replace(HOLDING, model_error=0.5)),
     ),
     "fused-ttft-first": (
-        dataclasses.replace(POLICIES["h100"], slo=Slo(ttft_per_token_s=3e-3, tpot_s=0.03)),
+        dataclasses.replace(POLICIES["h100"], slo=SLO(3.0, 30.0)),
         _rule_snapshot(
             tuple(SeqView(f"w{i}", 0.0, n, 0, 0) for i, n in enumerate((200, 400, 400, 400))),
             _decoding(64, 1001),

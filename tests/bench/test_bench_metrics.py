@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from bulletserve.bench.metrics import SLO, attainment, summarize, tpot_s
+from bulletserve.bench.metrics import attainment, summarize, tpot_s
 from bulletserve.bench.records import RequestRecord
+from bulletserve.sched.slo import SLO
 
 
 def _done(index: int, input_len: int, times: list[float]) -> RequestRecord:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import load_result
 from bulletserve.cli import main
+from bulletserve.sched.slo import SLO
 from bulletserve.sim.runner import SimConfig, simulate
 
 

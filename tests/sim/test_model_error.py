@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bulletserve.bench.metrics import SLO
+from bulletserve.sched.slo import SLO
 from bulletserve.sim.runner import SimConfig, simulate
 
 PROFILE = Path(__file__).resolve().parent.parent / "fixtures" / "cpu-profile.json"

@@ -24,7 +24,8 @@ def test_simulate_writes_a_bench_result_that_compare_and_plot_take(tmp_path, cap
     assert "Benchmark" not in printed
     result = load_result(out)
     assert result.simulated and result.hardware == "H100-SXM"
-    assert result.label == "bullet-static" and [r.request_rate for r in result.runs] == [5, 10]
+    assert result.label == "bullet-static:64/68"
+    assert [r.request_rate for r in result.runs] == [5, 10]
     assert result.runs[0].summary["slo"]["tpot_ms"] == 150.0  # the paper's ShareGPT SLO
     assert (tmp_path / "steps-rate5.jsonl").exists() and (tmp_path / "steps-rate10.jsonl").exists()
     assert (tmp_path / "plots" / "throughput.png").exists()
@@ -37,8 +38,8 @@ def test_user_errors_are_one_line(capsys):
     assert main(["simulate", "--hardware", "tpu", "--model", "tiny"]) == 2
     assert "not a preset" in capsys.readouterr().err
     args = ["simulate", "--hardware", "a100-80g", "--model", "llama-3.1-8b"]
-    assert main([*args, "--partition", "static:3/3"]) == 2
-    assert "static split" in capsys.readouterr().err
+    assert main([*args, "--policy", "bullet", "--partition", "static:3/3"]) == 2
+    assert "P + D must equal" in capsys.readouterr().err
     assert main([*args, "--dataset", "sharegpt:/x.json"]) == 2
     assert "sharegpt-like" in capsys.readouterr().err
     assert main([*args, "--policy", "bullet", "--dataset", "random"]) == 2

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from bulletserve.bench.datasets import RandomLengths, load_lengths
-from bulletserve.bench.metrics import SLO
 from bulletserve.executor.record import read_step_log
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import RULE_NAMES, BulletParams, BulletPolicy
+from bulletserve.sched.slo import SLO
 from bulletserve.sim.device import Noise
 from bulletserve.sim.hardware import (
     DEVICE_MEMORY,

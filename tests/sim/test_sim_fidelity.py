@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bulletserve.bench.metrics import SLO
 from bulletserve.perf.hardware import load_preset
+from bulletserve.sched.slo import SLO
 from bulletserve.sim import fidelity
 from bulletserve.sim.runner import SimConfig, simulate
 

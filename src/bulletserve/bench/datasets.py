@@ -27,9 +27,9 @@ from bulletserve.bench.lengths import (
     sample_sharegpt_like,
     sample_table,
 )
-from bulletserve.bench.metrics import SLO
 from bulletserve.bench.prompts import PromptBuilder
 from bulletserve.bench.shared import SHARED_PREFIX_KINDS, shared_prompts
+from bulletserve.sched.slo import SLO
 
 PRESETS = ("sharegpt-like", "azure-code-like", "arxiv-sum-like")
 

@@ -13,8 +13,9 @@ from tqdm import tqdm
 
 from bulletserve.bench.client import Target, send_request
 from bulletserve.bench.datasets import WorkloadRequest
-from bulletserve.bench.metrics import SLO, summarize
+from bulletserve.bench.metrics import summarize
 from bulletserve.bench.records import RequestRecord, RunResult
+from bulletserve.sched.slo import SLO
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from bulletserve.bench.metrics import SLO, attainment, tpot_s
+from bulletserve.bench.metrics import attainment, tpot_s
 from bulletserve.bench.records import BenchResult, RunResult, load_result
+from bulletserve.sched.slo import SLO
 
 
 def parse_slo(text: str) -> SLO:

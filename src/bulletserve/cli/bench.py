@@ -290,7 +290,7 @@ def _positive(value: float, flag: str) -> float:
 
 def _slo(args: argparse.Namespace):
     from bulletserve.bench.datasets import PAPER_SLOS, dataset_family
-    from bulletserve.bench.metrics import SLO
+    from bulletserve.sched.slo import SLO
 
     default = PAPER_SLOS.get(dataset_family(args.dataset) or "")
     ttft = args.slo_ttft_per_token_ms or (default.ttft_per_token_ms if default else None)

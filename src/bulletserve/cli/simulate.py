@@ -10,11 +10,12 @@ The result file has `bullet bench`'s schema, marked simulated with the hardware 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 
 from bulletserve.cli import CLIError
-from bulletserve.sched import POLICIES
-from bulletserve.sched.bullet import parse_partition
+from bulletserve.engine.config import add_scheduler_args
+from bulletserve.sched import SchedulerConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -66,28 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "the policy believes the profile and corrects itself online (default 1)",
     )
 
-    engine = parser.add_argument_group("engine (defaults as bullet serve)")
-    engine.add_argument("--policy", default="bullet", choices=POLICIES)
-    engine.add_argument("--chunked-prefill-size", type=int)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine = parser.add_argument_group("engine (the flags and defaults of bullet serve)")
     engine.add_argument("--max-model-len", type=int)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the engine's prefix cache (the simulated prompts share no prefix, so it finds only "
-        "what a preempted request computed before)",
-    )
-    engine.add_argument("--partition", default="auto", help="bullet: auto, none or static:P/D")
-    engine.add_argument("--prefill-layers-per-step", type=int)
-    engine.add_argument(
-        "--fuse-decode",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="bullet: a prefill step may carry the decode rows (on a GPU within a TPOT)",
-    )
+    add_scheduler_args(parser, engine)
 
     data = parser.add_argument_group("workload (as bullet bench)")
     data.add_argument(
@@ -141,59 +123,40 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.sim.hardware import SimSetupError
     from bulletserve.sim.runner import SimConfig, simulate
 
-    for flag in (
-        "num_prompts",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "block_size",
-        "tensor_parallel_size",
-    ):
-        if getattr(args, flag) < 1:
-            raise CLIError(f"--{flag.replace('_', '-')} must be at least 1")
-    for flag in ("chunked_prefill_size", "max_model_len", "prefill_layers_per_step"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise CLIError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.num_prompts < 1 or args.tensor_parallel_size < 1:
+        raise CLIError("--num-prompts and --tensor-parallel-size must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise CLIError("--max-model-len must be at least 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise CLIError("--gpu-memory-utilization must be in (0, 1]")
     if args.burstiness <= 0 or args.noise < 0:
         raise CLIError("--burstiness must be positive and --noise at least 0")
+    scheduler = {f.name: getattr(args, f.name) for f in fields(SchedulerConfig)}
     try:
-        partition, split = parse_partition(args.partition)
+        config = SimConfig(
+            **scheduler,
+            hardware=args.hardware,
+            model=args.model,
+            dataset=args.dataset,
+            num_prompts=args.num_prompts,
+            request_rates=_rates(args),
+            slo=_slo(args),
+            seed=args.seed,
+            noise=args.noise,
+            burstiness=args.burstiness,
+            trace_arrivals=args.trace_arrivals,
+            random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            device_memory_gib=args.device_memory_gib,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            device_slowdown=args.device_slowdown,
+            label=args.label,
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    static = (split.prefill, split.decode) if split else None
-    config = SimConfig(
-        hardware=args.hardware,
-        model=args.model,
-        policy=args.policy,
-        dataset=args.dataset,
-        num_prompts=args.num_prompts,
-        request_rates=_rates(args),
-        chunked_prefill_size=args.chunked_prefill_size,
-        partition=partition,
-        static_split=static,
-        prefill_layers_per_step=args.prefill_layers_per_step,
-        fuse_decode=args.fuse_decode,
-        slo=_slo(args),
-        seed=args.seed,
-        noise=args.noise,
-        burstiness=args.burstiness,
-        trace_arrivals=args.trace_arrivals,
-        random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
-        dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device_memory_gib=args.device_memory_gib,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        device_slowdown=args.device_slowdown,
-        label=args.label,
-    )
     try:
         result = simulate(
             config,

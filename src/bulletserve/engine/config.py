@@ -7,11 +7,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bulletserve.model.source import LOAD_FORMATS
-from bulletserve.sched import POLICIES
+from bulletserve.sched import POLICIES, SLO, SchedulerConfig
 
 
-@dataclass
-class EngineConfig:
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(SchedulerConfig):
+    """The scheduler's settings (`SchedulerConfig`, shared with the simulator) and what the
+    engine runs them on."""
+
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     revision: str | None = None  # of a Hugging Face id's snapshot in the local cache
     load_format: str = "auto"
@@ -20,32 +23,21 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    chunked_prefill_size: int | None = None  # default: max_num_batched_tokens
-    block_size: int = 16
     kv_cache_memory: str | None = None  # bytes or a fraction of free memory
-    enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (full blocks)
-    policy: str = "chunked"
     num_threads: int | None = None  # CPU intra-op threads (a rank's); default: its share of cores
     tensor_parallel_size: int = 1  # ranks the weights and KV heads are sharded over
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly, not as CUDA graphs
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
-    # Bullet (--policy bullet) only:
-    partition: str = "auto"  # auto | none | static:P/D
+    # The SLO the bullet policy schedules for (and /metrics counts attainment against).
     slo_ttft_per_token_ms: float = 3.0
     slo_ttft_base_ms: float = 0.0  # a fixed part of the TTFT SLO, beside the per-token part
     slo_tpot_ms: float = 150.0
-    prefill_layers_per_step: int | None = None  # None: all layers in one step
-    fuse_decode: bool = True  # a prefill step may carry the decode rows (the fused rules)
     hardware_profile: str | None = None  # a `bullet profile` JSON; default: measured at start
     step_log: str | None = None  # a JSON line per lane step
 
     def __post_init__(self) -> None:
-        positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
-        positive += ["max_model_len", "chunked_prefill_size", "num_threads"]
-        positive += ["prefill_layers_per_step", "tensor_parallel_size"]
-        for name in positive:
+        super().__post_init__()
+        for name in ("max_model_len", "num_threads", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -58,22 +50,16 @@ class EngineConfig:
             raise ValueError(f"--cpu-warmup-rows must be >= 0, got {self.cpu_warmup_rows}")
         if not self.slo_ttft_base_ms >= 0:
             raise ValueError(f"--slo-ttft-base-ms must be >= 0, got {self.slo_ttft_base_ms}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
-        if not (self.partition in ("auto", "none") or self.partition.startswith("static:")):
-            raise ValueError(
-                f"--partition must be auto, none or static:P/D, not {self.partition!r}"
-            )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
             raise ValueError(f"--tokenizer {self.tokenizer!r} does not exist")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
 
     @property
-    def chunk_size(self) -> int:
-        return self.chunked_prefill_size or self.max_num_batched_tokens
+    def slo(self) -> SLO:
+        return SLO(self.slo_ttft_per_token_ms, self.slo_tpot_ms, self.slo_ttft_base_ms)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -83,6 +69,55 @@ class EngineConfig:
                 "weights run in --dtype (bfloat16, float16 or float32)"
             )
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def add_scheduler_args(
+    parser: argparse.ArgumentParser, group: argparse._ArgumentGroup
+) -> argparse._ArgumentGroup:
+    """The flags of `SchedulerConfig`, as `bullet serve` and `bullet simulate` both take them,
+    with its defaults; returns the group of Bullet's own flags."""
+    default = {f.name: f.default for f in fields(SchedulerConfig)}
+    group.add_argument("--policy", default=default["policy"], choices=POLICIES)
+    group.add_argument("--max-num-seqs", type=int, default=default["max_num_seqs"])
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=default["max_num_batched_tokens"]
+    )
+    group.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="the longest prompt chunk of a step (default: --max-num-batched-tokens)",
+    )
+    group.add_argument("--block-size", type=int, default=default["block_size"])
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=default["enable_prefix_caching"],
+        help="reuse the KV of prompt prefixes already computed, in full blocks, across requests "
+        "and both lanes (--no-enable-prefix-caching turns it off)",
+    )
+    bullet = parser.add_argument_group("bullet (--policy bullet)")
+    bullet.add_argument(
+        "--partition",
+        default=default["partition"],
+        help="auto (the scheduler splits units per step), none (both lanes on every unit), "
+        "or static:P/D (P units for prefill, D for decode)",
+    )
+    bullet.add_argument(
+        "--prefill-layers-per-step",
+        type=int,
+        default=None,
+        help="run a prefill in groups of N layers so the split can change inside it",
+    )
+    bullet.add_argument(
+        "--fuse-decode",
+        action=argparse.BooleanOptionalAction,
+        default=default["fuse_decode"],
+        help="let a prefill step carry the decode rows in its own batch where the performance "
+        "model says that does more work a second than taking turns or sharing the device "
+        "(on a GPU, only a step that fits in the TPOT budget)",
+    )
+    return bullet
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -127,23 +162,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--chunked-prefill-size", type=int, default=None)
-    group.add_argument("--block-size", type=int, default=16)
     group.add_argument(
         "--kv-cache-memory",
         default=None,
         help="bytes (e.g. 4GiB) or a fraction of free memory (default 0.3)",
     )
-    group.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt prefixes already computed, in full blocks, across requests "
-        "and both lanes (default on; --no-enable-prefix-caching turns it off)",
-    )
-    group.add_argument("--policy", default="chunked", choices=POLICIES)
     group.add_argument(
         "--num-threads",
         type=int,
@@ -173,13 +196,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on CUDA, run decode steps eagerly; by default they replay as CUDA graphs, one per "
         "batch bucket and SM group",
     )
-    bullet = parser.add_argument_group("bullet (--policy bullet)")
-    bullet.add_argument(
-        "--partition",
-        default="auto",
-        help="auto (the scheduler splits units per step), none (both lanes on every unit), "
-        "or static:P/D (P units for prefill, D for decode)",
-    )
+    bullet = add_scheduler_args(parser, group)
     bullet.add_argument("--slo-ttft-per-token-ms", type=float, default=3.0)
     bullet.add_argument(
         "--slo-ttft-base-ms",
@@ -188,20 +205,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="a fixed part of the TTFT SLO: a prompt of n tokens has base + n x per-token",
     )
     bullet.add_argument("--slo-tpot-ms", type=float, default=150.0)
-    bullet.add_argument(
-        "--prefill-layers-per-step",
-        type=int,
-        default=None,
-        help="run a prefill in groups of N layers so the split can change inside it",
-    )
-    bullet.add_argument(
-        "--fuse-decode",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="let a prefill step carry the decode rows in its own batch where the performance "
-        "model says that does more work a second than taking turns or sharing the device "
-        "(on a GPU, only a step that fits in the TPOT budget; default: on)",
-    )
     bullet.add_argument("--hardware-profile", default=None, help="a `bullet profile` JSON file")
     bullet.add_argument(
         "--step-log", default=None, help="write one JSON line per step (per lane step under bullet)"

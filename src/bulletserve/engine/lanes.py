@@ -13,6 +13,7 @@ hands out memory a kernel is still writing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -36,13 +37,12 @@ from bulletserve.partition.cpu import use_one_thread
 from bulletserve.partition.measure import DTYPE_NAMES, QUICK, measure_device
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel
+from bulletserve.sched import make_policy
 from bulletserve.sched.bullet import (
     BulletPlan,
     BulletPolicy,
-    Slo,
     Split,
     UnitSpace,
-    parse_partition,
 )
 
 if TYPE_CHECKING:
@@ -99,11 +99,7 @@ class Lanes:
 
     def _make_policy(self) -> BulletPolicy:
         self.units: Units = lane_units(self.device, rank_threads(self.config), self._team)
-        dtype = DTYPE_NAMES[self.dtype]
-        mode, static = parse_partition(self.config.partition, self.units.total)
         profile = self._hardware_profile()
-        if isinstance(self.units, WholeGPU):
-            mode, static = "none", None
         ranks = self.config.tensor_parallel_size
         priced = ranks == 1 or ranks in profile.calibration.all_reduce_s
         if not priced:
@@ -115,29 +111,19 @@ class Lanes:
         self.perf = PerfModel(
             self.model_config,
             profile,
-            dtype,
+            DTYPE_NAMES[self.dtype],
             tensor_parallel_size=ranks,
             price_collectives=priced,
         )
-        return BulletPolicy(
-            perf=self.perf,
-            units=UnitSpace(
-                self.units.total,
-                self.units.granularity,
-                self.units.min_units,
-                self.units.min_remainder,
-            ),
-            num_layers=self.model_config.num_layers,
-            slo=Slo(
-                self.config.slo_ttft_per_token_ms / 1e3,
-                self.config.slo_tpot_ms / 1e3,
-                self.config.slo_ttft_base_ms / 1e3,
-            ),
-            layers_per_step=self.config.prefill_layers_per_step,
-            partition=mode,
-            static_split=static,
-            fuse_decode=self.config.fuse_decode,
+        config = self.config
+        if isinstance(self.units, WholeGPU):  # one stream for both lanes: nothing to split
+            config = dataclasses.replace(config, partition="none")
+        units = UnitSpace(
+            self.units.total, self.units.granularity, self.units.min_units, self.units.min_remainder
         )
+        policy = make_policy(config, config.slo, self.perf, units, self.model_config.num_layers)
+        assert isinstance(policy, BulletPolicy)
+        return policy
 
     def thread_counts(self) -> list[int]:
         """Every thread count a lane's step may run on (`LaneCore.share`): the whole CPU, and under

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class SingleLane:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.policy: Policy = make_policy(engine.config.policy, engine.config.chunk_size)
+        self.policy: Policy = make_policy(engine.config)
         self._logits = LogitsBuffer()
         device = engine.device
         # The device's units, as the step log counts them: SMs on a GPU, threads on a CPU.

@@ -30,8 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bulletserve.bench.datasets import PAPER_SLOS, dataset_family, load_lengths  # noqa: E402
-from bulletserve.bench.metrics import SLO  # noqa: E402
 from bulletserve.sched.bullet import RULE_NAMES, BulletPolicy  # noqa: E402
+from bulletserve.sched.slo import SLO  # noqa: E402
 from bulletserve.sim.hardware import SimSetupError  # noqa: E402
 from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_run  # noqa: E402
 

@@ -43,12 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult, load_result
 from bulletserve.executor.record import StepRecord, read_step_log
 from bulletserve.perf.model import StepPrediction
 from bulletserve.perf.state import ExecutionState
-from bulletserve.sched.bullet import parse_partition
+from bulletserve.sched import SchedulerConfig
+from bulletserve.sched.slo import SLO
 from bulletserve.sim.device import CachedPerfModel
 from bulletserve.sim.request import SimRequest
 from bulletserve.sim.runner import (
@@ -313,13 +313,8 @@ def simulate_like(
             label=f"{result.label} (replayed)",
         )
         if name == "bullet":
-            mode, split = parse_partition(partition_of(result.label))
-            static = (split.prefill, split.decode) if split else None
             config = replace(
-                config,
-                partition=mode,
-                static_split=static,
-                fuse_decode=fuses_decode(result.label),
+                config, partition=partition_of(result.label), fuse_decode=fuses_decode(result.label)
             )
         requests = replay(run)
         if config.num_gpu_blocks_override is None:
@@ -514,8 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="model preset or config.json")
     parser.add_argument("--policy", help="the served policy, when labels do not say")
     parser.add_argument("--chunked-prefill-size", type=int)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+    )
     parser.add_argument("--num-gpu-blocks-override", type=int)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--noise", type=float, default=DEFAULT_NOISE)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bulletserve.bench.metrics import SLO, summarize
+from bulletserve.bench.metrics import summarize
 from bulletserve.bench.records import RequestRecord, RunResult
+from bulletserve.sched.slo import SLO
 from bulletserve.sim.request import SimRequest
 
 

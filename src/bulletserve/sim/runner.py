@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import TextIO
 
 from bulletserve.bench.datasets import RandomLengths, load_lengths
-from bulletserve.bench.metrics import SLO
 from bulletserve.bench.records import BenchResult, RunResult
 from bulletserve.model.config import ModelConfig
 from bulletserve.partition.limits import gpu_min_remainder
-from bulletserve.sched import make_policy
+from bulletserve.sched import SchedulerConfig, make_policy
 from bulletserve.sched.base import Policy
-from bulletserve.sched.bullet import BulletPolicy, Slo, Split, UnitSpace
+from bulletserve.sched.bullet import BulletPolicy, UnitSpace
+from bulletserve.sched.slo import SLO
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.hardware import (
     GIB,
@@ -38,22 +38,16 @@ from bulletserve.sim.workload import Lengths, arrivals_for, make_requests, promp
 DEFAULT_NOISE = 0.02
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    """Everything a simulated benchmark depends on; written into the result as `config`.
-    Engine settings default to the engine's (engine/config.py)."""
+@dataclass(frozen=True, kw_only=True)
+class SimConfig(SchedulerConfig):
+    """Everything a simulated benchmark depends on; written into the result as `config`. The
+    scheduler's settings (`SchedulerConfig`) are the engine's, with its defaults."""
 
     hardware: str
     model: str
-    policy: str = "bullet"
     dataset: str = "sharegpt-like"
     num_prompts: int = 1000
     request_rates: tuple[float, ...] = (10.0,)
-    chunked_prefill_size: int | None = None
-    partition: str = "auto"
-    static_split: tuple[int, int] | None = None
-    prefill_layers_per_step: int | None = None
-    fuse_decode: bool = True
     slo: SLO | None = None
     seed: int = 0
     noise: float = DEFAULT_NOISE
@@ -62,10 +56,6 @@ class SimConfig:
     random_lengths: RandomLengths = field(default_factory=RandomLengths)
     dtype: str = "bfloat16"
     tensor_parallel_size: int = 1  # GPUs of one node the model is sharded over
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     device_memory_gib: float | None = None
@@ -123,37 +113,16 @@ def setup(config: SimConfig) -> SimSetup:
 
 def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
     """The policy object the engine would build for this config."""
-    if config.policy != "bullet":
-        chunk = config.chunked_prefill_size or config.max_num_batched_tokens
-        return make_policy(config.policy, chunk)
-    if config.slo is None:
-        raise SimSetupError(
-            "the bullet policy needs SLOs: pass --slo-ttft-per-token-ms and "
-            "--slo-tpot-ms, or a dataset with paper SLOs"
-        )
     hw = env.perf.hw
-    static = Split(*config.static_split, "static") if config.static_split else None
+    # The GPU partitioner's floor on a remainder, as the engine's UnitSpace has it.
+    units = UnitSpace(
+        hw.units,
+        hw.unit_granularity,
+        hw.min_units,
+        gpu_min_remainder(hw.units) if hw.kind == "gpu" else None,
+    )
     try:
-        return BulletPolicy(
-            perf=env.perf,
-            # The GPU partitioner's floor on a remainder, as the engine's UnitSpace has it.
-            units=UnitSpace(
-                hw.units,
-                hw.unit_granularity,
-                hw.min_units,
-                gpu_min_remainder(hw.units) if hw.kind == "gpu" else None,
-            ),
-            num_layers=env.model.num_layers,
-            slo=Slo(
-                config.slo.ttft_per_token_ms / 1e3,
-                config.slo.tpot_ms / 1e3,
-                config.slo.ttft_base_ms / 1e3,
-            ),
-            layers_per_step=config.prefill_layers_per_step,
-            partition=config.partition,
-            static_split=static,
-            fuse_decode=config.fuse_decode,
-        )
+        return make_policy(config, config.slo, env.perf, units, env.model.num_layers)
     except ValueError as exc:
         raise SimSetupError(str(exc)) from None
 
@@ -162,7 +131,7 @@ def default_label(config: SimConfig) -> str:
     if config.label:
         return config.label
     if config.policy == "chunked":
-        return f"chunked-{config.chunked_prefill_size or config.max_num_batched_tokens}"
+        return f"chunked-{config.chunk_size}"
     if config.policy == "bullet" and config.partition != "auto":
         return f"bullet-{config.partition}"
     return config.policy

@@ -9,7 +9,8 @@ from bulletserve.perf.model import Corrections, PerfModel, StepPrediction
 from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.bullet.params import BulletParams
-from bulletserve.sched.bullet.types import Fusion, Slo, UnitSpace
+from bulletserve.sched.bullet.types import Fusion, UnitSpace
+from bulletserve.sched.slo import SLO
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class Estimator:
 
     perf: PerfModel
     units: UnitSpace
-    slo: Slo
+    slo: SLO
     params: BulletParams
     num_layers: int
     corrections: Corrections = Corrections()

@@ -22,10 +22,10 @@ from bulletserve.sched.bullet.types import (
     LatencyWindow,
     PartitionMode,
     PrefillStep,
-    Slo,
     Split,
     UnitSpace,
 )
+from bulletserve.sched.slo import SLO
 
 
 @dataclass
@@ -37,7 +37,7 @@ class BulletPolicy:
     perf: PerfModel
     units: UnitSpace
     num_layers: int
-    slo: Slo
+    slo: SLO
     layers_per_step: int | None = None  # None: a prefill runs all layers in one step
     partition: PartitionMode = "auto"
     static_split: Split | None = None

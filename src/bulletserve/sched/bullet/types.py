@@ -10,6 +10,7 @@ from typing import Literal
 
 from bulletserve.perf.model import Corrections
 from bulletserve.sched.base import ScheduledSeq, SeqView
+from bulletserve.sched.slo import SLO
 
 PartitionMode = Literal["auto", "none", "static"]
 
@@ -60,19 +61,6 @@ class UnitSpace:
 
 
 @dataclass(frozen=True)
-class Slo:
-    """A prompt of n tokens should see its first token within ttft_base_s + n *
-    ttft_per_token_s (the paper's SLO has no fixed part), and each later one within tpot_s."""
-
-    ttft_per_token_s: float
-    tpot_s: float
-    ttft_base_s: float = 0.0
-
-    def ttft_s(self, prompt_tokens: int) -> float:
-        return self.ttft_base_s + self.ttft_per_token_s * prompt_tokens
-
-
-@dataclass(frozen=True)
 class LatencyStats:
     """P90s over a sliding window of recent requests; None until there is data."""
 
@@ -94,7 +82,7 @@ class LatencyWindow:
     of hundreds of tokens the window would otherwise report the TTFT of requests that arrived
     many seconds ago, and a prefill starved since would go unseen."""
 
-    def __init__(self, slo: Slo, size: int) -> None:
+    def __init__(self, slo: SLO, size: int) -> None:
         self.slo = slo
         self.ttft_over_slo: deque[float] = deque(maxlen=size)
         self.tpot: deque[float] = deque(maxlen=size)
