@@ -30,6 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bulletserve.bench.datasets import PAPER_SLOS, dataset_family, load_lengths  # noqa: E402
+from bulletserve.sched import SchedulerConfig  # noqa: E402
 from bulletserve.sched.bullet import RULE_NAMES, BulletPolicy  # noqa: E402
 from bulletserve.sched.slo import SLO  # noqa: E402
 from bulletserve.sim.hardware import SimSetupError  # noqa: E402
@@ -65,6 +66,7 @@ class Task:
     max_model_len: int | None = None
     num_gpu_blocks_override: int | None = None
     device_memory_gib: float | None = None
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,7 @@ def walk(task: Task) -> dict[float, float]:
         max_model_len=task.max_model_len,
         num_gpu_blocks_override=task.num_gpu_blocks_override,
         device_memory_gib=task.device_memory_gib,
+        max_num_seqs=task.max_num_seqs,
     )
     env = setup(config)
     sim_policy = make_sim_policy(config, env)
@@ -300,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         help="GPUs of one node the model is sharded over (default: %(default)s)",
     )
     parser.add_argument("--max-model-len", type=int, help="(default: the model's)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="running requests at most, for every policy (default: %(default)s, as bullet "
+        "serve; vLLM's default on a GPU of 70 GiB or more other than an A100 is 1024)",
+    )
     parser.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (CPU profiles)")
     parser.add_argument(
         "--device-memory-gib", type=float, help="device memory of a profile the presets lack"
@@ -341,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_model_len": args.max_model_len,
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
         "device_memory_gib": args.device_memory_gib,
+        "max_num_seqs": args.max_num_seqs,
     }
     grids = {w: args.rates or DEFAULT_GRIDS[w] for w in workloads}
     try:  # the hardware, model and KV pool, checked once here rather than in every worker
