@@ -57,11 +57,30 @@ def _every_action(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return actions
 
 
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every flag's help ends with its default, where it has one a user could not guess (a
+    switch that is off unless given has none to show)."""
+    for action in _every_action(parser):
+        default = action.default
+        if (
+            not action.option_strings
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(action, argparse._StoreConstAction | argparse._HelpAction)
+            or "default" in (action.help or "")
+        ):
+            continue
+        action.help = (
+            f"{action.help} (default: %(default)s)" if action.help else ("(default: %(default)s)")
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="bullet", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         importlib.import_module(module_name).add_parser(subparsers, name)
+    _show_defaults(parser)
     return parser
 
 

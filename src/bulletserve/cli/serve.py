@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     )
     server.add_argument(
         "--api-key",
-        default=os.environ.get("BULLET_API_KEY"),
+        default=None,
         help="require `Authorization: Bearer KEY` on /v1/* (default: $BULLET_API_KEY)",
     )
     server.add_argument(
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     settings = ServerSettings(
         served_model_name=args.served_model_name or engine.front.name,
-        api_key=args.api_key or None,
+        api_key=args.api_key or os.environ.get("BULLET_API_KEY") or None,
         max_waiting_requests=args.max_waiting_requests,
         max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

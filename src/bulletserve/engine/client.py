@@ -8,20 +8,24 @@ router read of a running engine; `EngineClient` is the interface the server is w
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.request import RequestOutput
-from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.sampling_params import SamplingDefaults, SamplingParams
 from bulletserve.engine.structured import GrammarCompiler, GrammarState
 from bulletserve.model.loader import load_config
 from bulletserve.model.source import ModelSource, resolve_model
 from bulletserve.model.tokenizer import load_tokenizer, stop_token_ids
+
+logger = logging.getLogger(__name__)
 
 
 class PromptTooLongError(ValueError):
@@ -38,6 +42,8 @@ class ModelFront:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int] = frozenset()
+    # What a request that leaves out a sampling setting gets (--generation-config).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @classmethod
     def load(cls, config: EngineConfig, source: ModelSource | None = None) -> ModelFront:
@@ -51,6 +57,7 @@ class ModelFront:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.vocab_size,
             stop_token_ids(tokenizer, model_config.eos_token_ids),
+            sampling_defaults(config.generation_config, source),
         )
 
     @cached_property
@@ -100,6 +107,28 @@ class ModelFront:
                 if ids and ids not in bad_words:
                     bad_words.append(ids)
         return grammar, bad_words
+
+
+def sampling_defaults(setting: str, source: ModelSource) -> SamplingDefaults:
+    """`--generation-config`: `auto`, the model folder's generation_config.json where it has
+    one (as vLLM); `vllm`, none; else a folder holding one."""
+    if setting == "vllm":
+        return SamplingDefaults()
+    if setting == "auto":
+        folder = source.path if source.path is not None and source.path.is_dir() else None
+        if folder is None or not (folder / "generation_config.json").is_file():
+            return SamplingDefaults()
+    else:
+        folder = Path(setting).expanduser()
+    defaults = SamplingDefaults.from_file(folder / "generation_config.json")
+    if defaults.values:
+        settings = ", ".join(f"{k}={v}" for k, v in defaults.values.items())
+        logger.info(
+            "sampling defaults from the model's generation config: %s (requests that set "
+            "them keep theirs; --generation-config vllm ignores the file)",
+            settings,
+        )
+    return defaults
 
 
 @dataclass

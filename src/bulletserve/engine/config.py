@@ -32,6 +32,8 @@ class EngineConfig(SchedulerConfig):
     slo_ttft_per_token_ms: float = 3.0
     slo_ttft_base_ms: float = 0.0  # a fixed part of the TTFT SLO, beside the per-token part
     slo_tpot_ms: float = 150.0
+    # Sampling defaults: auto (the model's generation_config.json), vllm (ours), or a folder.
+    generation_config: str = "auto"
     hardware_profile: str | None = None  # a `bullet profile` JSON; default: measured at start
     step_log: str | None = None  # a JSON line per lane step
 
@@ -54,6 +56,14 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
             raise ValueError(f"--tokenizer {self.tokenizer!r} does not exist")
+        if (
+            self.generation_config not in ("auto", "vllm")
+            and not (Path(self.generation_config).expanduser() / "generation_config.json").is_file()
+        ):
+            raise ValueError(
+                f"--generation-config {self.generation_config!r}: auto, vllm, or a folder with "
+                "a generation_config.json"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
 
@@ -160,6 +170,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "bfloat16, float16 or float32",
     )
     group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for requests that leave them out (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, max_tokens): auto, from the model's "
+        "generation_config.json where it has one; vllm, ours; or a folder holding one",
+    )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument(

@@ -28,6 +28,11 @@ class LLM:
         self.engine = create_engine(EngineConfig(model=model, policy=policy, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given none: the model's generation config's settings
+        (`--generation-config`, as vLLM's), ours for the rest."""
+        return SamplingParams(**self.engine.front.sampling_defaults.values)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -41,7 +46,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             param_list = [sampling_params] * len(prompts)
         else:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bulletserve.engine.structured import StructuredOutputs
 
@@ -132,3 +134,41 @@ class SamplingParams:
             return dataclasses.replace(self, n=1) if self.n != 1 else self
         seed = None if self.seed is None else self.seed + k
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=None)
+
+
+# What a model's generation_config.json may set that a request can leave out (vLLM's list).
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A request's sampling settings where it leaves them out: the model creator's, read from
+    its generation_config.json (`--generation-config`), else ours (`SamplingParams`)."""
+
+    values: dict[str, float | int] = field(default_factory=dict)
+
+    @classmethod
+    def from_file(cls, path: Path) -> SamplingDefaults:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--generation-config: cannot read {path}: {exc}") from None
+        values = {
+            ours: data[theirs]
+            for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+            if isinstance(data.get(theirs), int | float) and not isinstance(data[theirs], bool)
+        }
+        return cls(values)
+
+    def get(self, name: str, given: float | int | None, fallback: float | int) -> float | int:
+        """`given` if the request set it, else the model's default, else `fallback`."""
+        if given is not None:
+            return given
+        return self.values.get(name, fallback)

@@ -163,6 +163,9 @@ class Serving:
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from None
         room = self.front.max_model_len - len(prompt_ids)
+        defaults = self.front.sampling_defaults
+        if max_tokens is None and "max_tokens" in defaults.values:
+            max_tokens = min(int(defaults.values["max_tokens"]), room)
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,
@@ -174,9 +177,9 @@ class Serving:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else room,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0,
+                temperature=defaults.get("temperature", body.temperature, 1.0),
+                top_p=defaults.get("top_p", body.top_p, 1.0),
+                top_k=int(defaults.get("top_k", body.top_k, 0)),
                 seed=body.seed,
                 stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                 ignore_eos=body.ignore_eos,
@@ -187,8 +190,8 @@ class Serving:
                 ),
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=body.repetition_penalty or 1.0,
-                min_p=body.min_p or 0.0,
+                repetition_penalty=defaults.get("repetition_penalty", body.repetition_penalty, 1.0),
+                min_p=defaults.get("min_p", body.min_p, 0.0),
                 logit_bias=logit_bias_of(body),
                 stop_token_ids=list(body.stop_token_ids or []),
                 bad_words=list(body.bad_words or []),
