@@ -73,3 +73,24 @@ def test_freed_blocks_are_handed_out_again_first():
     allocator.free(first)
     assert allocator.allocate(2) == [1, 2]
     assert allocator.allocate(2) == [3, 4]
+
+
+def test_gpu_memory_utilization_leaves_the_kv_cache_what_the_memory_in_use_does_not_take():
+    """vLLM's budget: 0.9 of an 80 GiB device with 20 GiB in use (weights) leaves 52 GiB."""
+    import torch
+
+    from bulletserve.kv.pool import KVPool, kv_budget
+    from bulletserve.model.presets import get_preset
+
+    gib = 2**30
+    assert kv_budget(0.9, 80 * gib, 60 * gib) == pytest.approx(52 * gib)
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        kv_budget(0.2, 80 * gib, 60 * gib)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        kv_budget(1.5, 80 * gib, 60 * gib)
+    config = get_preset("tiny")
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="on a CPU, --kv-cache-memory"):
+        KVPool.num_blocks_for(config, 16, torch.float32, cpu, None, 4096, 0.9)
+    with pytest.raises(ValueError, match="not both"):
+        KVPool.num_blocks_for(config, 16, torch.float32, cpu, "1GiB", 4096, 0.9)

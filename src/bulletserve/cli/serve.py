@@ -62,6 +62,19 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         choices=("debug", "info", "warning", "error"),
     )
     server.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request when it arrives (its id, prompt tokens and sampling settings, "
+        "not its text) and when it ends (vLLM's)",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        help="the same as --no-enable-log-requests (vLLM's older spelling)",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template to use instead of the tokenizer's: a file, or the "
@@ -165,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         chat_template=chat_template,
+        log_requests=args.enable_log_requests,
     )
     app = build_app(engine, settings)
     server = make_server(

@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from bulletserve.cli import CLIError
-from bulletserve.engine.config import add_scheduler_args
+from bulletserve.engine.config import add_scheduler_args, policy_of
 from bulletserve.sched import SchedulerConfig
 
 
@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--burstiness must be positive and --noise at least 0")
     scheduler = {f.name: getattr(args, f.name) for f in fields(SchedulerConfig)}
     try:
+        scheduler["policy"] = policy_of(args)
         config = SimConfig(
             **scheduler,
             hardware=args.hardware,

@@ -24,6 +24,7 @@ class EngineConfig(SchedulerConfig):
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length
     kv_cache_memory: str | None = None  # bytes or a fraction of free memory
+    gpu_memory_utilization: float | None = None  # on a GPU: vLLM's, in place of the above
     num_threads: int | None = None  # CPU intra-op threads (a rank's); default: its share of cores
     tensor_parallel_size: int = 1  # ranks the weights and KV heads are sharded over
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly, not as CUDA graphs
@@ -78,7 +79,24 @@ class EngineConfig(SchedulerConfig):
                 f"--quantization {args.quantization}: no quantization is supported yet; the "
                 "weights run in --dtype (bfloat16, float16 or float32)"
             )
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls(**values | {"policy": policy_of(args)})
+
+
+def policy_of(args: argparse.Namespace) -> str:
+    """--policy, as vLLM's --enable-chunked-prefill / --no-enable-chunked-prefill sets it:
+    off runs each prompt whole before decoding (prefill-first)."""
+    chunked = args.enable_chunked_prefill
+    if chunked is None or (chunked and args.policy != "prefill-first"):
+        return args.policy
+    if chunked:
+        raise ValueError("--enable-chunked-prefill contradicts --policy prefill-first")
+    if args.policy == "bullet":
+        raise ValueError(
+            "--no-enable-chunked-prefill: the bullet policy rides long prompts in chunks beside "
+            "decode; use --policy prefill-first for whole prompts"
+        )
+    return "prefill-first"
 
 
 def add_scheduler_args(
@@ -88,6 +106,13 @@ def add_scheduler_args(
     with its defaults; returns the group of Bullet's own flags."""
     default = {f.name: f.default for f in fields(SchedulerConfig)}
     group.add_argument("--policy", default=default["policy"], choices=POLICIES)
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's: on is --policy chunked (ours by default), off is --policy prefill-first "
+        "(default: as --policy says)",
+    )
     group.add_argument("--max-num-seqs", type=int, default=default["max_num_seqs"])
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=default["max_num_batched_tokens"]
@@ -182,7 +207,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="bytes (e.g. 4GiB) or a fraction of free memory (default 0.3)",
+        help="the KV cache's memory: bytes (e.g. 4GiB) or a fraction of free memory (default: 0.3)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="on a GPU, as vLLM's: the share of the device's memory the engine may hold; the "
+        "KV cache gets what the weights leave of it (instead of --kv-cache-memory; a CPU "
+        "takes --kv-cache-memory)",
     )
     group.add_argument(
         "--num-threads",

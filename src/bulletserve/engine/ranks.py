@@ -74,6 +74,7 @@ def build_device_side(
         device,
         config.kv_cache_memory,
         max_tokens_needed=config.max_num_seqs * max_model_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
     )
     pool = KVPool(
         model.shard_config,

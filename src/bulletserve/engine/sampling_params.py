@@ -125,6 +125,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def summary(self) -> str:
+        """The settings that differ from the defaults, as `name=value` pairs (a request log's)."""
+        changed = []
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            if getattr(self, f.name) != default:
+                changed.append(f"{f.name}={getattr(self, f.name)!r}")
+        return ", ".join(changed) or "defaults"
+
     def for_choice(self, k: int) -> SamplingParams:
         """The settings of a prompt's k-th sequence, one engine request: a seeded request's
         sequences draw from seed + k, as vLLM's parallel sampling does, so that they differ and

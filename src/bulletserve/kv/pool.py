@@ -71,14 +71,45 @@ class KVPool:
         device: torch.device,
         kv_cache_memory: str | None,
         max_tokens_needed: int,
+        gpu_memory_utilization: float | None = None,
     ) -> int:
         """The blocks of `kv_cache_memory` (bytes or fraction of free memory; default 0.3 of
-        free), never more than `max_tokens_needed` tokens hold."""
-        amount = (
-            DEFAULT_MEMORY_FRACTION if kv_cache_memory is None else parse_memory(kv_cache_memory)
-        )
-        if amount <= 0:
-            raise ValueError(f"--kv-cache-memory must be positive, not {kv_cache_memory!r}")
-        memory = amount * free_device_memory(device) if amount <= 1 else amount
+        free) or, on a GPU, of what `gpu_memory_utilization` of its memory leaves beside what
+        is in use (the weights loaded); never more than `max_tokens_needed` tokens hold."""
+        if gpu_memory_utilization is not None:
+            if kv_cache_memory is not None:
+                raise ValueError("give --gpu-memory-utilization or --kv-cache-memory, not both")
+            if device.type != "cuda":
+                raise ValueError(
+                    "--gpu-memory-utilization sizes the KV cache on a GPU; on a CPU, "
+                    "--kv-cache-memory does (bytes, or a fraction of free memory)"
+                )
+            free, total = torch.cuda.mem_get_info(device)
+            memory = kv_budget(gpu_memory_utilization, total, free)
+        else:
+            amount = (
+                DEFAULT_MEMORY_FRACTION
+                if kv_cache_memory is None
+                else parse_memory(kv_cache_memory)
+            )
+            if amount <= 0:
+                raise ValueError(f"--kv-cache-memory must be positive, not {kv_cache_memory!r}")
+            memory = amount * free_device_memory(device) if amount <= 1 else amount
         num_blocks = cls.blocks_for_memory(config, block_size, dtype, memory)
         return min(num_blocks, -(-max_tokens_needed // block_size))
+
+
+def kv_budget(utilization: float, total: int, free: int) -> float:
+    """vLLM's `--gpu-memory-utilization`: of `utilization` x the device's memory, what the
+    memory in use now (the weights, anything else on the device) leaves for the KV cache.
+    Activations take theirs from the rest of the device."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {utilization}")
+    budget = utilization * total - (total - free)
+    if budget <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} leaves no room for the KV cache: "
+            f"{(total - free) / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB are in "
+            "use already; raise it"
+        )
+    return budget

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -37,6 +38,8 @@ RETRY_AFTER_S = 1
 # A prompt over this many characters is tokenized on a worker thread, so that the event loop
 # (health checks, other streams) never waits for it.
 INLINE_TOKENIZE_CHARS = 4096
+
+logger = logging.getLogger(__name__)
 
 
 def sse(payload: str) -> str:
@@ -293,6 +296,13 @@ class Serving:
         self, choice: ChoiceWork, request_id: str, admission: Admission
     ) -> AsyncIterator[RequestOutput]:
         last: RequestOutput | None = None
+        if self.settings.log_requests:
+            logger.info(
+                "request %s: %d prompt tokens, %s",
+                request_id,
+                len(choice.prompt_ids),
+                choice.params.summary(),
+            )
         try:
             async for output in self.client.generate(choice.prompt_ids, choice.params, request_id):
                 last = output
@@ -301,6 +311,10 @@ class Serving:
             admission.release(1)
             if last is not None:
                 self.metrics.observe(last)
+            if self.settings.log_requests:
+                ended = last.finish_reason if last is not None and last.finished else "aborted"
+                tokens = len(last.token_ids) if last is not None else 0
+                logger.info("request %s: %s after %d tokens", request_id, ended, tokens)
 
     async def final_outputs(
         self, request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]]

@@ -27,3 +27,6 @@ class ServerSettings:
     # --chat-template, which takes a file or the template inline).
     chat_template: str | None = None
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # A log line per request when it arrives (prompt tokens, sampling settings) and when it
+    # ends (vLLM's --enable-log-requests).
+    log_requests: bool = False
