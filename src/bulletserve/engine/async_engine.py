@@ -87,6 +87,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def describe(self) -> list[str]:
+        return self.engine.describe()
+
     @property
     def num_streams(self) -> int:
         with self._streams_lock:

@@ -143,6 +143,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prompt_tokens: int = 0  # computed since start (cached prefixes left out)
+    generation_tokens: int = 0  # generated since start
     # lane -> (units it has now, last relative prediction error); one lane (or replicas): none.
     lane_units: dict[str, tuple[int, float | None]] = field(default_factory=dict)
     # Step kind (prefill, fused, decode) -> (predicted, measured) seconds, each a running mean
@@ -159,6 +161,8 @@ class EngineStats:
             self.num_preemptions + other.num_preemptions,
             self.prefix_cache_queries + other.prefix_cache_queries,
             self.prefix_cache_hits + other.prefix_cache_hits,
+            self.prompt_tokens + other.prompt_tokens,
+            self.generation_tokens + other.generation_tokens,
         )
 
 
@@ -178,6 +182,10 @@ class EngineClient(Protocol):
     def num_running(self) -> int: ...
 
     def stats(self) -> EngineStats: ...
+
+    def describe(self) -> list[str]:
+        """What runs, a line a topic (the startup block of `bullet serve`)."""
+        ...
 
     def generate(
         self,

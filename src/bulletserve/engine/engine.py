@@ -141,6 +141,9 @@ class LLMEngine:
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        # Tokens computed since start: prompts' (less what the prefix cache held) and outputs'.
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
         # --step-log: one JSON line per step (the executor writes it).
         self.step_log = open(config.step_log, "a") if config.step_log else None
         # Whether whoever calls `step()` reports each hand-off (`outputs_handed_off`): the
@@ -264,6 +267,38 @@ class LLMEngine:
         """lane -> (units it has now, last relative prediction error); one lane: none."""
         return self.executor.lane_units()
 
+    def describe(self) -> list[str]:
+        """What runs, one line a topic: the startup block `bullet serve` logs."""
+        config, pool = self.config, self.pool
+        if self.device.type == "cuda":
+            where = f"{torch.cuda.get_device_name(self.device)} ({self.device})"
+        else:
+            where = f"CPU, {rank_threads(config)} threads"
+        if config.tensor_parallel_size > 1:
+            where += f", tensor parallel over {config.tensor_parallel_size} ranks"
+        kv_gib = pool.kv.numel() * pool.kv.element_size() / 2**30
+        policy = config.policy
+        if policy == "chunked":
+            policy += f" (chunks of up to {config.chunk_size} tokens)"
+        elif policy == "bullet":
+            slo = config.slo
+            profile = config.hardware_profile or "measured at start (no --hardware-profile)"
+            policy += (
+                f" (partition {config.partition}; SLO TTFT {slo.ttft_per_token_ms:g} ms a prompt "
+                f"token + {slo.ttft_base_ms:g} ms, TPOT {slo.tpot_ms:g} ms; profile {profile})"
+            )
+        return [
+            f"model: {self.source.name} ({self.source.load_format})",
+            f"dtype: {str(self.dtype).removeprefix('torch.')}; device: {where}",
+            f"max model length: {self.max_model_len} tokens; at most {config.max_num_seqs} "
+            f"sequences and {config.max_num_batched_tokens} tokens a step",
+            f"KV cache: {pool.num_blocks * pool.block_size} tokens in {pool.num_blocks} blocks "
+            f"of {pool.block_size} ({kv_gib:.2f} GiB); prefix caching "
+            + ("on" if config.enable_prefix_caching else "off"),
+            f"policy: {policy}",
+            f"kernels: {self.runner.kernels()}",
+        ]
+
     def stats(self) -> EngineStats:
         """The queues, the KV cache and the counters now (read without the engine's locks: a
         snapshot for metrics and routing, not for scheduling)."""
@@ -278,6 +313,8 @@ class LLMEngine:
             num_preemptions=book.num_preemptions,
             prefix_cache_queries=book.prefix_queries,
             prefix_cache_hits=book.prefix_hits,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
             lane_units=self.lane_units(),
             step_times=self.executor.step_times(),
         )
@@ -340,8 +377,10 @@ class LLMEngine:
         if logprob is not None:
             request.output_logprobs.append(logprob)
         request.state = RequestState.DECODING
+        self._generation_tokens += 1
         if request.timings.first_token is None:
             request.timings.first_token = now
+            self._prompt_tokens += len(request.prompt_token_ids) - request.num_cached_tokens
         detok = self._detokenizers.get(request.request_id)
         if detok is None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)

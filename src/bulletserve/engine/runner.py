@@ -217,6 +217,23 @@ class ModelRunner:
             # 1.97 ms per call, in a 32-prompt run. Flash, memory-efficient or math instead.
             torch.backends.cuda.enable_cudnn_sdp(False)
 
+    def kernels(self) -> str:
+        """Which code runs each part of a step, as chosen at load (the startup log's line)."""
+        linear = next(
+            (m.kernel for m in self.model.modules() if getattr(m, "kernel", None) is not None),
+            None,
+        )
+
+        def label(kernel: object, fallback: str) -> str:
+            return fallback if kernel is None else getattr(kernel, "label", type(kernel).__name__)
+
+        return (
+            f"projections {label(linear, 'PyTorch linear')}; "
+            f"prefill attention {label(self.prefill_kernel, 'PyTorch SDPA')}; "
+            f"decode attention {label(self.decode_kernel, 'PyTorch SDPA')}; "
+            f"norms, RoPE, KV writes {label(self.kv_writer, 'PyTorch')}"
+        )
+
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         blocks = torch.tensor(block_table[: -(-end // self.block_size)], dtype=torch.long)
         slots = (blocks.unsqueeze(1) * self.block_size + self._block_offsets).reshape(-1)

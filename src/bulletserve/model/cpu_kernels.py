@@ -124,6 +124,8 @@ def _function(
 class DecodeAttentionKernel:
     """Decode attention for one (dtype, head_dim, group) shape."""
 
+    label: ClassVar[str] = "ours (C), paged in place"
+
     function: ctypes._CFuncPtr
 
     def __call__(
@@ -185,6 +187,8 @@ def decode_attention_kernel(
 class PrefillAttentionKernel:
     """Causal attention of prefill rows over their sequences' cached and new keys, for one
     (dtype, head_dim, group) shape."""
+
+    label: ClassVar[str] = "ours (C), paged in place"
 
     function: ctypes._CFuncPtr
 
@@ -287,6 +291,8 @@ class PackedLinearKernel:
     Zen 5 cores the packed form ran a decode step's projections 1.3-1.8x faster in bf16 and
     2-3x in fp32, a prefill's about 1.05x and 2x."""
 
+    label: ClassVar[str] = "oneDNN, weights prepacked"
+
     builds_per_row_count: ClassVar[bool] = True
 
     @staticmethod
@@ -319,6 +325,8 @@ BLOCK_COLS = 16  # output columns per block of csrc/blocked_linear.c's layout
 @dataclass(frozen=True)
 class BlockedLinearKernel:
     """The fp32 GEMM of csrc/blocked_linear.c, with W in blocks of 16 output columns."""
+
+    label: ClassVar[str] = "ours (C), fp32 in blocks of 16 columns"
 
     function: ctypes._CFuncPtr
     builds_per_row_count: ClassVar[bool] = False
@@ -456,6 +464,8 @@ def _time_linears(
 
 class FusedOps:
     """Fused element-wise layer ops for one dtype; every tensor argument is on the CPU."""
+
+    label: ClassVar[str] = "ours (C)"
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
         suffix = _SUFFIX[dtype]

@@ -17,6 +17,7 @@ either. Under `TRITON_INTERPRET=1` they run on CPU tensors (slowly), which is ho
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import torch
 import triton
@@ -309,6 +310,8 @@ class TritonDecodeAttention:
     """Decode attention over the paged cache for one (head_dim, group) shape on `sm_count` SMs
     (the lane's share, which sets how finely the context is split)."""
 
+    label: ClassVar[str] = "Triton, paged in place"
+
     def __init__(self, head_dim: int, group: int, sm_count: int) -> None:
         self.head_dim, self.group, self.sm_count = head_dim, group, sm_count
 
@@ -388,6 +391,8 @@ class TritonDecodeAttention:
 
 class TritonPrefillAttention:
     """Causal prefill attention over each sequence's cached and new keys."""
+
+    label: ClassVar[str] = "Triton, paged in place"
 
     def __init__(self, head_dim: int, group: int) -> None:
         self.head_dim, self.group = head_dim, group

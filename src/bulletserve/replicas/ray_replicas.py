@@ -81,6 +81,9 @@ class ReplicaActor:
             raise EngineDeadError(f"the engine has failed: {self.engine.error!r}")
         return self.engine.stats()
 
+    def describe(self) -> list[str]:
+        return self.engine.describe()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -170,6 +173,12 @@ class RayReplicas:
             if replica.error is None:
                 total = total + replica.stats
         return total
+
+    def describe(self) -> list[str]:
+        """The first replica's lines (every replica runs the same config), and their count."""
+        first = self._replicas[0].actor.describe.remote()
+        lines = self._ray.get(first, timeout=STATS_TIMEOUT_S)
+        return [f"replicas: {len(self._replicas)} (Ray)", *lines]
 
     def loads(self) -> list[ReplicaLoad]:
         with self._lock:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -28,6 +32,7 @@ from bulletserve.server.protocol import (
 )
 from bulletserve.server.serving import Serving, now
 from bulletserve.server.settings import ServerSettings
+from bulletserve.server.stats_log import StatsLog
 from bulletserve.server.tokens import TokenServing
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500)}
@@ -36,7 +41,20 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 4
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     """The API over a running engine (one in this process, or replicas), which the caller owns
     (and shuts down)."""
-    app = FastAPI(title="bulletserve", version=bulletserve.__version__)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        """The periodic stats line (--disable-log-stats: none) while the app serves."""
+        task = None
+        if settings.log_stats_interval_s > 0:
+            task = asyncio.ensure_future(StatsLog(engine, settings.log_stats_interval_s).run())
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    app = FastAPI(title="bulletserve", version=bulletserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(
         GuardMiddleware,

@@ -30,3 +30,5 @@ class ServerSettings:
     # A log line per request when it arrives (prompt tokens, sampling settings) and when it
     # ends (vLLM's --enable-log-requests).
     log_requests: bool = False
+    # Seconds between the periodic throughput / queue / KV cache lines; 0: none.
+    log_stats_interval_s: float = 0.0
