@@ -370,6 +370,37 @@ def test_a_hugging_face_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
         resolve_model("tiny-org/absent")
     with pytest.raises(ModelNotFoundError, match="--revision v9"):
         resolve_model("tiny-org/tiny-llama", revision="v9")
+    # --load-format dummy of the id (as vLLM's): its config.json's shape, random weights.
+    dummy = resolve_model("tiny-org/tiny-llama", "dummy")
+    assert (dummy.load_format, dummy.path, dummy.name) == (
+        "dummy",
+        snapshot,
+        "dummy-tiny-org/tiny-llama",
+    )
+
+
+def test_dummy_weights_take_a_model_folders_shape(tiny_llama_dir):
+    """`--load-format dummy --model FOLDER`: the folder's config and tokenizer, random weights
+    (not the folder's); neither a preset nor a folder with a config.json is refused."""
+    import torch
+
+    from bulletserve.model.loader import load_config, load_model
+    from bulletserve.model.source import ModelNotFoundError, resolve_model
+
+    real = resolve_model(str(tiny_llama_dir))
+    dummy = resolve_model(str(tiny_llama_dir), "dummy")
+    assert dummy.name == f"dummy-{tiny_llama_dir.name}"
+    assert load_config(dummy) == load_config(real)
+    cpu = torch.device("cpu")
+    weights = [load_model(s, torch.float32, cpu, 64).embed_tokens.weight for s in (real, dummy)]
+    assert weights[0].shape == weights[1].shape and not torch.equal(*weights)
+    llm = _llm(str(tiny_llama_dir), load_format="dummy")
+    try:
+        assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids) == 12
+    finally:
+        llm.engine.close()
+    with pytest.raises(ModelNotFoundError, match="a preset .* or a model folder"):
+        resolve_model("no-such-thing", "dummy")
 
 
 def test_serve_takes_the_model_as_vllm_serve_does(capsys):

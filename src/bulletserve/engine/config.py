@@ -181,7 +181,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the snapshot of a Hugging Face id to use (a branch, tag or commit; default: main)",
     )
-    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    group.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="dummy: random weights, of a preset's shape (tiny, smollm2-135m, llama-3.1-8b, ...) "
+        "or of the --model folder's or cached id's config.json",
+    )
     group.add_argument(
         "--tokenizer",
         default=None,

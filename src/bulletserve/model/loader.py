@@ -56,9 +56,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_config(source: ModelSource) -> ModelConfig:
-    if source.load_format == "dummy":
+    if source.load_format == "dummy" and source.preset is not None:
         return get_preset(source.preset)
-    if source.load_format == "safetensors":
+    if source.load_format in ("safetensors", "dummy"):
         return ModelConfig.from_json_file(source.path / "config.json")
     return ModelConfig.from_json_file(_converted_gguf(source.path) / "config.json")
 

@@ -28,7 +28,7 @@ class ModelSource:
     """A resolved `--model` / `--load-format` pair."""
 
     load_format: str  # "safetensors" | "gguf" | "dummy"
-    path: Path | None  # folder (safetensors), file (gguf), None (dummy)
+    path: Path | None  # folder (safetensors; dummy of a folder's shape), file (gguf)
     preset: str | None  # dummy presets only
     name: str  # what /v1/models and the outputs call it
 
@@ -61,12 +61,7 @@ def resolve_model(
             f"--load-format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}"
         )
     if load_format == "dummy":
-        preset = model or "smollm2-135m"
-        if preset not in PRESETS:
-            raise ModelNotFoundError(
-                f"--load-format dummy needs a preset name as --model; known: {', '.join(PRESETS)}"
-            )
-        return ModelSource("dummy", None, preset, f"dummy-{preset}")
+        return _dummy_source(model or "smollm2-135m", revision)
     if model is None:
         path = default_model_file()
         if load_format not in ("auto", "gguf"):
@@ -101,6 +96,22 @@ def resolve_model(
     if path.suffix != ".gguf" and load_format == "auto":
         raise ModelNotFoundError(f"{path} is neither a model folder nor a .gguf file")
     return ModelSource("gguf", path, None, path.stem)
+
+
+def _dummy_source(model: str, revision: str | None) -> ModelSource:
+    """Random weights (`--load-format dummy`) of a preset's shape, or, as vLLM's, of a model
+    folder's or a cached Hugging Face id's config.json (its tokenizer too, where it has one)."""
+    if model in PRESETS:
+        return ModelSource("dummy", None, model, f"dummy-{model}")
+    path, name = Path(model).expanduser(), Path(model).name
+    if not path.exists() and REPO_ID.fullmatch(model):
+        path, name = hub_snapshot(model, revision), model
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"--load-format dummy takes a preset ({', '.join(PRESETS)}), or a model folder or "
+            f"cached Hugging Face id with a config.json; {model!r} is neither"
+        )
+    return ModelSource("dummy", path, None, f"dummy-{name}")
 
 
 # A Hugging Face model id: ORG/NAME.

@@ -25,16 +25,20 @@ _lock = threading.Lock()
 
 
 def load_tokenizer(model: str | ModelSource | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model: its folder, its GGUF metadata, or (dummy presets) the default's;
-    a folder holding only a tokenizer (`save_pretrained`'s files) works too.
+    """The tokenizer of a model: its folder, its GGUF metadata, or (dummy weights without a
+    folder's tokenizer) the default's; a folder holding only a tokenizer (`save_pretrained`'s
+    files) works too.
 
     Converting a GGUF vocabulary takes seconds, so the result is cached on disk.
     """
     if isinstance(model, str) and (Path(model).expanduser() / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(Path(model).expanduser()))
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    if source.load_format == "safetensors":
-        return AutoTokenizer.from_pretrained(str(source.path))
+    folder = source.path if source.load_format in ("safetensors", "dummy") else None
+    if folder is not None and (
+        source.load_format == "safetensors" or (folder / "tokenizer_config.json").exists()
+    ):
+        return AutoTokenizer.from_pretrained(str(folder))
     gguf_file = source.path if source.load_format == "gguf" else default_model_file()
     return _gguf_tokenizer(gguf_file)
 
