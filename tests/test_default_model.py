@@ -46,6 +46,22 @@ def test_greedy_output_equals_transformers_generate(llm_fp32):
         assert output.token_ids == expected[0, ids.shape[1] :].tolist()
 
 
+def test_the_vllm_shaped_api_on_the_default_model(llm_fp32):
+    """As a vLLM user writes it: `generate(prompts, sampling_params=...)`, then each output's
+    prompt, prompt ids and `outputs[0]` text, ids and finish reason."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = llm_fp32.generate(PROMPTS[:2], sampling_params=params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS[:2], outputs, strict=True):
+        assert output.prompt == prompt
+        assert output.prompt_token_ids == llm_fp32.tokenizer(prompt).input_ids
+        (sequence,) = output.outputs
+        assert len(sequence.token_ids) == 8 and sequence.finish_reason == "length"
+        assert sequence.text == llm_fp32.tokenizer.decode(sequence.token_ids)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = llm_fp32.chat(chat, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert "Paris" in answer[0].outputs[0].text
+
+
 def test_cli_answers_paris():
     command = [sys.executable, "-m", "bulletserve.cli", "generate", "--chat", "--temperature", "0"]
     command += ["--prompt", "What is the capital of France?", "--max-tokens", "32"]
