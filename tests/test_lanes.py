@@ -158,7 +158,7 @@ def test_lanes_wait_for_their_outputs_to_be_handed_off_where_the_caller_reports_
     each decode step starts that long after the one before ended; reported after every
     `step()`, nothing is left outstanding. `LLM.generate` reports nothing and waits for
     nothing."""
-    from bulletserve.engine.engine import HANDOFF_WAIT_S
+    from bulletserve.engine.config import HANDOFF_WAIT_S
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for report in (False, True):

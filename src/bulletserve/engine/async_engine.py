@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from bulletserve.engine.client import EngineStats, ModelFront
-from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.engine import HANDOFF_WAIT_S, LLMEngine
+from bulletserve.engine.config import HANDOFF_WAIT_S, EngineConfig
+from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams

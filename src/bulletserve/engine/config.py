@@ -9,6 +9,11 @@ from pathlib import Path
 from bulletserve.model.source import LOAD_FORMATS
 from bulletserve.sched import POLICIES, SLO, SchedulerConfig
 
+# How long the engine waits, after a step's outputs went to the server's event loop, for the
+# loop to have written them out before it computes the next step (`AsyncEngine._deliver`,
+# and the lanes before planning theirs).
+HANDOFF_WAIT_S = 0.05
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig(SchedulerConfig):

@@ -21,6 +21,7 @@ from bulletserve.dist.parallel import TensorParallel
 from bulletserve.engine.client import EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import DecodeGraphs
+from bulletserve.engine.lanes import Lanes
 from bulletserve.engine.ranks import Ranks, build_device_side, rank_device, rank_threads
 from bulletserve.engine.request import (
     Request,
@@ -32,6 +33,7 @@ from bulletserve.engine.request import (
 from bulletserve.engine.runner import WarmGemms, builds_gemm_kernels, warm_cpu_gemms
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.single import SingleLane
 from bulletserve.executor.book import RequestBook
 from bulletserve.executor.clock import Clock, RealClock
 from bulletserve.model.decoder import DecoderLM
@@ -53,11 +55,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but CUDA is not available")
     return torch.device(name)
-
-
-# How long the engine waits, after a step's outputs went to the server's event loop, for the
-# loop to have written them out before it computes the next step (`AsyncEngine._deliver`).
-HANDOFF_WAIT_S = 0.05
 
 
 class LLMEngine:
@@ -516,9 +513,5 @@ class Executor(Protocol):
 
 def _make_executor(engine: LLMEngine, team: TeamThread | None) -> Executor:
     if engine.config.policy == "bullet":
-        from bulletserve.engine.lanes import Lanes
-
         return Lanes(engine, team)
-    from bulletserve.engine.single import SingleLane
-
     return SingleLane(engine)

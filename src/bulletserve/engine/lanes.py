@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from bulletserve.engine.engine import HANDOFF_WAIT_S
+from bulletserve.engine.config import HANDOFF_WAIT_S
 from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.runner import Placement, PrefillPass, SeqWork, request_work
