@@ -118,4 +118,6 @@ def test_bf16_greedy_outputs_differ_only_at_near_ties():
             # them may be the argmax).
             top = dict(mine.logprobs[at].top)
             assert mine.token_ids[at] in top and theirs.token_ids[at] in top, (at, top)
-            assert abs(top[mine.token_ids[at]] - top[theirs.token_ids[at]]) < 0.25, (at, top)
+            # Close behind: within two steps of the bf16 logits, which sit 0.125 apart at this
+            # model's logit sizes (16 to 32); one run's rounding can move a logit by a step.
+            assert abs(top[mine.token_ids[at]] - top[theirs.token_ids[at]]) <= 0.25, (at, top)
