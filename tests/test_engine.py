@@ -88,7 +88,7 @@ def test_300_requests_through_a_small_pool_all_finish(tiny_llama_dir):
     allocator = llm.engine.pool.allocator
     assert allocator.num_free == allocator.num_blocks
     assert llm.engine.num_preemptions > 0
-    assert not llm.engine.requests
+    assert not llm.engine.life.requests
 
 
 def test_seeded_sampling_reproduces_whatever_the_batch(tiny_llama_dir):

@@ -165,7 +165,7 @@ def test_lanes_wait_for_their_outputs_to_be_handed_off_where_the_caller_reports_
         log = tmp_path / f"steps-{report}.jsonl"
         llm = _bullet_llm(tiny_llama_dir, step_log=str(log))
         engine = llm.engine
-        engine.acks_handoff = True
+        engine.life.acks_handoff = True
         tokens = []
         deadline = time.monotonic() + 60
         try:

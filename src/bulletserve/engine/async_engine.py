@@ -145,7 +145,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
-        engine.acks_handoff = True
+        engine.life.acks_handoff = True
         while not self._stop.is_set():
             if not engine.has_unfinished():
                 self._wake.wait(timeout=0.5)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
@@ -22,13 +21,13 @@ from bulletserve.engine.client import EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import DecodeGraphs
 from bulletserve.engine.lanes import Lanes
+from bulletserve.engine.life import RequestLife
+from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.ranks import Ranks, build_device_side, rank_device, rank_threads
 from bulletserve.engine.request import (
     Request,
     RequestOutput,
-    RequestState,
     RequestTimings,
-    TokenLogprob,
 )
 from bulletserve.engine.runner import WarmGemms, builds_gemm_kernels, warm_cpu_gemms
 from bulletserve.engine.sampler import Sampler
@@ -39,7 +38,6 @@ from bulletserve.executor.clock import Clock, RealClock
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model
-from bulletserve.model.tokenizer import IncrementalDetokenizer
 from bulletserve.partition import TeamThread
 from bulletserve.sched.base import Policy
 
@@ -58,9 +56,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    """The engine: the model, the KV pool, the tokenizer and the requests (intake, detokenization,
-    stops, outputs), carrying each policy's plans out through its executor: one lane
-    (`engine.single`) for chunked and prefill-first, Bullet's two (`engine.lanes`)."""
+    """The engine: the model, the KV pool and the tokenizer, the requests' life
+    (`engine.life`: intake, detokenization, stops, outputs) and the executor that carries each
+    policy's plans out and hands what its steps sampled to that life: one lane
+    (`engine.single`) for chunked and prefill-first, Bullet's two (`engine.lanes`). The
+    executor gets the parts it works with (`engine.parts`), never the engine."""
 
     def __init__(
         self,
@@ -130,23 +130,24 @@ class LLMEngine:
             self.runner.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self.front.eos_token_ids
-        self.requests: dict[str, Request] = {}
         self.book: RequestBook[Request] = RequestBook(self.pool.allocator, self.pool.block_size)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) reported
-        self._inbox: deque[Request] = deque()
-        self._aborts: deque[str] = deque()
-        self._lock = threading.Lock()
+        self.life = RequestLife(self.tokenizer, self.max_model_len, self.book, self.clock)
         self._ids = itertools.count()
-        # Tokens computed since start: prompts' (less what the prefix cache held) and outputs'.
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
         # --step-log: one JSON line per step (the executor writes it).
         self.step_log = open(config.step_log, "a") if config.step_log else None
-        # Whether whoever calls `step()` reports each hand-off (`outputs_handed_off`): the
-        # server's AsyncEngine does; `LLM.generate`, which uses outputs at once, does not.
-        self.acks_handoff = False
-        self.executor: Executor = _make_executor(self, team)
+        parts = EngineParts(
+            config,
+            self.clock,
+            self.book,
+            self.life,
+            self.model,
+            self.runner,
+            self.sampler,
+            self.device,
+            self.dtype,
+            self.step_log,
+        )
+        self.executor: Executor = _make_executor(parts, team)
         self.policy = self.executor.policy
         if builds_gemm_kernels(self.model, self.device) and config.cpu_warmup_rows:
             self._warm_cpu_gemms()
@@ -225,23 +226,13 @@ class LLMEngine:
         )
         if params.seed is not None:
             request.generator = self.sampler.new_request_generator(params.seed)
-        with self._lock:
-            if request.request_id in self.requests:
-                raise ValueError(f"duplicate request id {request.request_id!r}")
-            self.requests[request.request_id] = request
-            self._inbox.append(request)
+        self.life.add(request)
         self.executor.wake()
         return request.request_id
 
     def abort_request(self, request_id: str) -> None:
-        with self._lock:
-            self._aborts.append(request_id)
+        self.life.abort(request_id)
         self.executor.wake()
-
-    @property
-    def pending_intake(self) -> bool:
-        """Requests or aborts not yet taken in by a step."""
-        return bool(self._inbox or self._aborts)
 
     @property
     def waiting(self) -> deque[Request]:
@@ -310,8 +301,8 @@ class LLMEngine:
             num_preemptions=book.num_preemptions,
             prefix_cache_queries=book.prefix_queries,
             prefix_cache_hits=book.prefix_hits,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
+            prompt_tokens=self.life.prompt_tokens,
+            generation_tokens=self.life.generation_tokens,
             lane_units=self.lane_units(),
             step_times=self.executor.step_times(),
         )
@@ -332,8 +323,7 @@ class LLMEngine:
         """Work left, or outputs the executor produced that `step()` has not returned yet."""
         if self.executor.has_pending():
             return True
-        with self._lock:
-            return bool(self._inbox or self._aborts or self.waiting or self.running)
+        return bool(self.life.pending_intake or self.waiting or self.running)
 
     # ---- engine thread ----------------------------------------------------------------------
 
@@ -346,135 +336,6 @@ class LLMEngine:
         """Run the executor: one step of the single lane, or the outputs the lanes produced
         since the last call; outputs of requests that progressed or ended."""
         return self.executor.step()
-
-    # ---- for the executor (on the engine's thread, or under the lanes' state lock) ----------
-
-    def take_in(self) -> list[RequestOutput]:
-        """Queue the requests that came in; finish the aborted ones (their outputs)."""
-        with self._lock:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
-            aborts = list(self._aborts)
-            self._aborts.clear()
-        outputs = []
-        for request_id in aborts:
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished:
-                continue
-            self._finish(request, "abort", RequestState.ABORTED)
-            outputs.append(self.output(request))
-        return outputs
-
-    def append_token(
-        self, request: Request, token: int, logprob: TokenLogprob | None, now: float
-    ) -> None:
-        """A sampled token: detokenize, check stops and limits, finish the request if done."""
-        params = request.params
-        request.output_token_ids.append(token)
-        if logprob is not None:
-            request.output_logprobs.append(logprob)
-        request.state = RequestState.DECODING
-        self._generation_tokens += 1
-        if request.timings.first_token is None:
-            request.timings.first_token = now
-            self._prompt_tokens += len(request.prompt_token_ids) - request.num_cached_tokens
-        detok = self._detokenizers.get(request.request_id)
-        if detok is None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-            self._detokenizers[request.request_id] = detok
-        if request.grammar is not None and not self._advance_grammar(request, token):
-            detok.flush()
-            request.text = detok.text
-            self._finish(request, "stop")
-            return
-        if token in request.stop_ids and len(request.output_token_ids) > params.min_tokens:
-            detok.flush()
-            request.text = detok.text
-            self._finish(request, "stop")
-            return
-        delta = detok.add(token)
-        request.text = detok.text
-        if delta and params.stop:
-            cut = _find_stop(request.text, params.stop, len(delta))
-            if cut is not None:
-                request.text = request.text[:cut]
-                self._finish(request, "stop")
-                return
-        if (
-            len(request.output_token_ids) >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            detok.flush()
-            request.text = detok.text
-            self._finish(request, "length")
-
-    def _advance_grammar(self, request: Request, token: int) -> bool:
-        """Move the request's grammar past `token`; False where the output must end here: the
-        structure is complete (its stop token accepted, which `ignore_eos` does not make a
-        request stop on), or the token was outside the grammar (the sampler masks every such
-        token, so this is a fault, logged)."""
-        grammar = request.grammar
-        assert grammar is not None
-        if not grammar.accept(token):
-            logger.warning(
-                "request %s: token %d is outside its grammar; ending it", request.request_id, token
-            )
-            return False
-        return not grammar.terminated
-
-    def _finish(
-        self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
-    ) -> None:
-        request.finish_reason = reason
-        request.state = state
-        request.timings.finished = self.clock.now()
-        self.book.finish(request)
-        self.executor.finished(request)
-
-    def output(self, request: Request) -> RequestOutput:
-        """The request's output so far and what is new since the last one (a tail that could
-        still grow into a stop string held back)."""
-        chars, tokens = self._emitted.get(request.request_id, (0, 0))
-        visible = len(request.text)
-        if not request.is_finished and request.params.stop:
-            # Hold back a tail that could still grow into a stop string.
-            visible = max(chars, visible - max(len(s) for s in request.params.stop) + 1)
-        output = RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            text=request.text[:visible],
-            token_ids=list(request.output_token_ids),
-            new_text=request.text[chars:visible],
-            new_token_ids=request.output_token_ids[tokens:],
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
-            prompt_logprobs=(
-                [None, *request.prompt_logprobs]
-                if request.params.prompt_logprobs is not None
-                else None
-            ),
-            timings=request.timings,
-            num_preemptions=request.num_preemptions,
-            num_cached_tokens=request.num_cached_tokens,
-        )
-        if request.is_finished:
-            self._emitted.pop(request.request_id, None)
-            self._detokenizers.pop(request.request_id, None)
-            with self._lock:
-                self.requests.pop(request.request_id, None)
-        else:
-            self._emitted[request.request_id] = (visible, len(request.output_token_ids))
-        return output
-
-
-def _find_stop(text: str, stops: list[str], delta_len: int) -> int | None:
-    """Index where the earliest stop string starts, searching only where the new text could
-    have completed one."""
-    window_start = max(0, len(text) - delta_len - max(len(s) for s in stops) + 1)
-    hits = [i for s in stops if (i := text.find(s, window_start)) >= 0]
-    return min(hits) if hits else None
 
 
 class Executor(Protocol):
@@ -505,13 +366,10 @@ class Executor(Protocol):
 
     def outputs_handed_off(self) -> None: ...
 
-    def finished(self, request: Request) -> None:
-        """A request ended (finished or aborted)."""
-
     def close(self) -> None: ...
 
 
-def _make_executor(engine: LLMEngine, team: TeamThread | None) -> Executor:
-    if engine.config.policy == "bullet":
-        return Lanes(engine, team)
-    return SingleLane(engine)
+def _make_executor(parts: EngineParts, team: TeamThread | None) -> Executor:
+    if parts.config.policy == "bullet":
+        return Lanes(parts, team)
+    return SingleLane(parts)

@@ -20,11 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
 from bulletserve.engine.config import HANDOFF_WAIT_S
+from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.runner import Placement, PrefillPass, SeqWork, request_work
@@ -45,9 +46,6 @@ from bulletserve.sched.bullet import (
     UnitSpace,
 )
 
-if TYPE_CHECKING:
-    from bulletserve.engine.engine import LLMEngine
-
 logger = logging.getLogger(__name__)
 
 # A sampled token and its logprob (when the request asked for them).
@@ -63,13 +61,19 @@ class Lanes:
     """The engine's executor under `--policy bullet`: a prefill lane and a decode lane on their
     own threads (see the module's docstring)."""
 
-    def __init__(self, engine: LLMEngine, team: TeamThread | None = None) -> None:
-        self.engine = engine
-        # What the lanes use of the engine, which owns it.
-        self.config, self.clock, self.book = engine.config, engine.clock, engine.book
-        self.model, self.model_config, self.pool = engine.model, engine.model_config, engine.pool
-        self.runner, self.sampler = engine.runner, engine.sampler
-        self.device, self.dtype = engine.device, engine.dtype
+    def __init__(self, parts: EngineParts, team: TeamThread | None = None) -> None:
+        self.config, self.clock, self.book, self.life = (
+            parts.config,
+            parts.clock,
+            parts.book,
+            parts.life,
+        )
+        self.model_config, self.runner, self.sampler = (
+            parts.model.config,
+            parts.runner,
+            parts.sampler,
+        )
+        self.device, self.dtype, self.step_log = parts.device, parts.dtype, parts.step_log
         # On a CPU, the thread that built the engine (create_engine makes it) and runs every
         # multi-threaded lane step; the lane threads themselves never lead an OpenMP team.
         self._team = team
@@ -251,22 +255,23 @@ class Lanes:
 
     def _plan(self, lane: Lane) -> BulletPlan:
         """Take in new requests and aborts, then the lane's plan (its split comes into force)."""
-        for output in self.engine.take_in():
+        for output in self.life.take_in():
             self._emit(output)
         return self.core.plan(lane, self.clock.now(), self.perf.corrections)
 
-    def finished(self, request: Request) -> None:
-        """A request that ran to its end feeds the window of recent TPOTs."""
-        t = request.timings
-        if request.state is RequestState.FINISHED and t.first_token is not None:
-            outputs = len(request.output_token_ids)
-            self.core.window.finished(
-                (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
-            )
-
-    def _publish(self, requests: list[Request]) -> None:
-        for request in requests:
-            self._emit(self.engine.output(request))
+    def _hand_over(self, requests: list[Request], sampled: list[Sampled]) -> None:
+        """Hand the tokens a step sampled to the requests' life and emit their outputs; a
+        request that ran to its end feeds the window of recent TPOTs."""
+        now = self.clock.now()
+        for request, (token, logprob) in zip(requests, sampled, strict=True):
+            self.life.append_token(request, token, logprob, now)
+            t = request.timings
+            if request.state is RequestState.FINISHED and t.first_token is not None:
+                outputs = len(request.output_token_ids)
+                self.core.window.finished(
+                    (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
+                )
+            self._emit(self.life.output(request))
 
     def _emit(self, output: RequestOutput) -> None:
         self._unhanded += 1
@@ -279,7 +284,7 @@ class Lanes:
         team, which every barrier then waits for. (The single-lane engine waits the same way
         in `AsyncEngine._deliver`; without it served decode steps ran 5-15% slower than
         offline ones.)"""
-        if not self.engine.acks_handoff:
+        if not self.life.acks_handoff:
             return
         deadline = time.monotonic() + HANDOFF_WAIT_S
         while self._unhanded > 0 and not self._stop.is_set():
@@ -291,7 +296,7 @@ class Lanes:
     def _wait(self, lane: Lane) -> None:
         """Sleep until notified (a request arrives or leaves, a step ends, units free up) or for
         the core's wait (`LaneCore.wait_s`)."""
-        self.clock.wait(self._state, self.core.wait_s(lane, self.engine.pending_intake))
+        self.clock.wait(self._state, self.core.wait_s(lane, self.life.pending_intake))
 
     def _placement(self, step: LaneStep[Request]) -> Placement:
         """Where the step runs: a decode step beside a prefill group on the units that group
@@ -332,10 +337,10 @@ class Lanes:
                 (1 - STEP_TIME_WEIGHT) * old[0] + STEP_TIME_WEIGHT * predicted,
                 (1 - STEP_TIME_WEIGHT) * old[1] + STEP_TIME_WEIGHT * measured,
             )
-        if self.engine.step_log:
+        if self.step_log:
             record = step.record(self.clock.now(), measured, predicted, runner_s)
-            write_step(self.engine.step_log, record)
-            self.engine.step_log.flush()
+            write_step(self.step_log, record)
+            self.step_log.flush()
 
     # ---- the prefill lane -------------------------------------------------------------------
 
@@ -345,7 +350,7 @@ class Lanes:
             self.clock.checkpoint()
             with self._state:
                 self._await_handoff()
-                if not core.may_plan("prefill", pending=self.engine.pending_intake):
+                if not core.may_plan("prefill", pending=self.life.pending_intake):
                     self._wait("prefill")
                     continue
                 plan = self._plan("prefill")
@@ -440,16 +445,12 @@ class Lanes:
         # Tokens come in the step's sampling order (prompts of one token sit with the decode
         # rows); aborted requests' tokens are dropped.
         row_of = {work: row for row, work in enumerate(device_pass.batch.sampling_order)}
-        requests = ended.sampled
-        tokens, logprobs = zip(*(sampled[row_of[work]] for work in ended.rows), strict=True)
         now = self.clock.now()
         for request in ended.joined:
             if not request.output_token_ids:  # not a recomputation after preemption
                 ttft = now - request.timings.arrival
                 self.core.window.first_token(ttft, len(request.prompt_token_ids))
-        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
-            self.engine.append_token(request, token, logprob, now)
-        self._publish(requests)
+        self._hand_over(ended.sampled, [sampled[row_of[work]] for work in ended.rows])
 
     # ---- the decode lane --------------------------------------------------------------------
 
@@ -477,15 +478,12 @@ class Lanes:
                 core.end_step("decode")
                 self._log_step(step, measured, runner_s)
                 alive = []
-                now = self.clock.now()
-                for request, (token, logprob) in zip(step.requests, sampled, strict=True):
+                for request, token in zip(step.requests, sampled, strict=True):
                     if request.is_finished:  # aborted while its step ran: its token is dropped
                         self.book.release_blocks(request)
                     else:
-                        self.engine.append_token(request, token, logprob, now)
-                        alive.append(request)
-                if alive:
-                    self._publish(alive)
+                        alive.append((request, token))
+                self._hand_over([r for r, _ in alive], [t for _, t in alive])
                 self.clock.notify_all(self._state)
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
-from bulletserve.engine.request import Request, RequestOutput, RequestState
+from bulletserve.engine.parts import EngineParts
+from bulletserve.engine.request import RequestOutput, RequestState
 from bulletserve.engine.runner import SeqWork, request_work
 from bulletserve.executor.record import write_step
 from bulletserve.executor.single import begin_single_step, end_single_step, scheduler_snapshot
@@ -19,24 +19,21 @@ from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot
 
-if TYPE_CHECKING:
-    from bulletserve.engine.engine import LLMEngine
-
 logger = logging.getLogger(__name__)
 
 
 class SingleLane:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.policy: Policy = make_policy(engine.config)
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.policy: Policy = make_policy(parts.config)
         self._logits = LogitsBuffer()
-        device = engine.device
+        device = parts.device
         # The device's units, as the step log counts them: SMs on a GPU, threads on a CPU.
         if device.type == "cuda":
             self.units = torch.cuda.get_device_properties(device).multi_processor_count
         else:
             self.units = torch.get_num_threads()
-        graphs = engine.runner.graphs
+        graphs = parts.runner.graphs
         if graphs is not None:
             # Every step runs on this stream: its decode graphs are captured now, not by requests.
             started = time.perf_counter()
@@ -47,36 +44,36 @@ class SingleLane:
         return [torch.get_num_threads()]
 
     def snapshot(self) -> SchedulerSnapshot:
-        engine, config = self.engine, self.engine.config
+        parts, config = self.parts, self.parts.config
         return scheduler_snapshot(
-            engine.book, engine.clock.now(), config.max_num_seqs, config.max_num_batched_tokens
+            parts.book, parts.clock.now(), config.max_num_seqs, config.max_num_batched_tokens
         )
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step; outputs of requests that progressed or ended."""
-        engine = self.engine
-        outputs = engine.take_in()
-        step = begin_single_step(engine.book, self.policy.plan(self.snapshot()))
+        parts, life = self.parts, self.parts.life
+        outputs = life.take_in()
+        step = begin_single_step(parts.book, self.policy.plan(self.snapshot()))
         for request in step.preempted:
             request.state = RequestState.WAITING
         if not step.batch:
             return outputs
         works = []
-        now = engine.clock.now()
+        now = parts.clock.now()
         for request, num_tokens in step.batch:
             start = request.num_computed_tokens
             end = start + num_tokens
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
             works.append(request_work(request, start, end))
-        (logits, sampling), measured = engine.clock.run_single(
+        (logits, sampling), measured = parts.clock.run_single(
             step, self.units, partial(self._execute, works)
         )
-        if engine.step_log:
+        if parts.step_log:
             es = step.execution_state(self.units)[0]
-            write_step(engine.step_log, step.record(engine.clock.now(), self.units, es, measured))
-            engine.step_log.flush()
-        end_single_step(engine.book, step)
+            write_step(parts.step_log, step.record(parts.clock.now(), self.units, es, measured))
+            parts.step_log.flush()
+        end_single_step(parts.book, step)
         for (request, _), work in zip(step.batch, works, strict=True):
             if work.prompt_targets:
                 request.keep_prompt_logprobs(work.start, work.prompt_logprobs)
@@ -86,19 +83,19 @@ class SingleLane:
         sampled = [step.batch[i][0] for i in sampling]
         if sampled:
             stop_sets = [r.stop_ids for r in sampled]
-            tokens, logprobs = engine.sampler.sample(logits, sampled, stop_sets)
-            now = engine.clock.now()
+            tokens, logprobs = parts.sampler.sample(logits, sampled, stop_sets)
+            now = parts.clock.now()
             for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
-                engine.append_token(request, token, logprob, now)
+                life.append_token(request, token, logprob, now)
         for request in sampled:
-            outputs.append(engine.output(request))
+            outputs.append(life.output(request))
         return outputs
 
     def _execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
-        engine = self.engine
-        logits, sampling = engine.runner.execute(works, self._logits)
-        if engine.step_log and engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)  # the step's device time, not its launch time
+        parts = self.parts
+        logits, sampling = parts.runner.execute(works, self._logits)
+        if parts.step_log and parts.device.type == "cuda":
+            torch.cuda.synchronize(parts.device)  # the step's device time, not its launch time
         return logits, sampling
 
     # ---- the rest of the executor interface: one lane computes only inside `step()` ---------
@@ -110,7 +107,7 @@ class SingleLane:
         return False
 
     def num_running(self) -> int:
-        return len(self.engine.running)
+        return len(self.parts.book.running)
 
     def lane_units(self) -> dict[str, tuple[int, float | None]]:
         return {}
@@ -119,9 +116,6 @@ class SingleLane:
         return {}  # the one-lane policies plan without a performance model
 
     def outputs_handed_off(self) -> None:
-        pass
-
-    def finished(self, request: Request) -> None:
         pass
 
     def close(self) -> None:

@@ -1,0 +1,192 @@
+"""A request's life in the engine, from intake to its last output: the requests that come in
+and are aborted, detokenization, stop strings and limits, outputs, the end. The executors carry
+the policy's plans out and hand it what their steps sampled."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+from transformers import PreTrainedTokenizerBase
+
+from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
+from bulletserve.executor.book import RequestBook
+from bulletserve.executor.clock import Clock
+from bulletserve.model.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RequestLife:
+    """The requests in the engine and what becomes of them (thread-safe intake; the rest runs
+    on the engine's thread or under the lanes' state lock)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        book: RequestBook[Request],
+        clock: Clock,
+    ) -> None:
+        self.tokenizer, self.max_model_len, self.book, self.clock = (
+            tokenizer,
+            max_model_len,
+            book,
+            clock,
+        )
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) reported
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._lock = threading.Lock()
+        # Tokens computed since start: prompts' (less what the prefix cache held) and outputs'.
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        # Whether whoever calls the engine's `step()` reports each hand-off of its outputs
+        # (`LLMEngine.outputs_handed_off`): the server's AsyncEngine does; `LLM.generate`, which
+        # uses outputs at once, does not.
+        self.acks_handoff = False
+
+    def add(self, request: Request) -> None:
+        with self._lock:
+            if request.request_id in self.requests:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            self.requests[request.request_id] = request
+            self._inbox.append(request)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    @property
+    def pending_intake(self) -> bool:
+        """Requests or aborts not yet taken in by a step."""
+        return bool(self._inbox or self._aborts)
+
+    def take_in(self) -> list[RequestOutput]:
+        """Queue the requests that came in; finish the aborted ones (their outputs)."""
+        with self._lock:
+            self.book.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts = list(self._aborts)
+            self._aborts.clear()
+        outputs = []
+        for request_id in aborts:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            self._finish(request, "abort", RequestState.ABORTED)
+            outputs.append(self.output(request))
+        return outputs
+
+    def append_token(
+        self, request: Request, token: int, logprob: TokenLogprob | None, now: float
+    ) -> None:
+        """A sampled token: detokenize, check stops and limits, finish the request if done."""
+        params = request.params
+        request.output_token_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        request.state = RequestState.DECODING
+        self.generation_tokens += 1
+        if request.timings.first_token is None:
+            request.timings.first_token = now
+            self.prompt_tokens += len(request.prompt_token_ids) - request.num_cached_tokens
+        detok = self._detokenizers.get(request.request_id)
+        if detok is None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            self._detokenizers[request.request_id] = detok
+        if request.grammar is not None and not self._advance_grammar(request, token):
+            detok.flush()
+            request.text = detok.text
+            self._finish(request, "stop")
+            return
+        if token in request.stop_ids and len(request.output_token_ids) > params.min_tokens:
+            detok.flush()
+            request.text = detok.text
+            self._finish(request, "stop")
+            return
+        delta = detok.add(token)
+        request.text = detok.text
+        if delta and params.stop:
+            cut = _find_stop(request.text, params.stop, len(delta))
+            if cut is not None:
+                request.text = request.text[:cut]
+                self._finish(request, "stop")
+                return
+        if (
+            len(request.output_token_ids) >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            detok.flush()
+            request.text = detok.text
+            self._finish(request, "length")
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Move the request's grammar past `token`; False where the output must end here: the
+        structure is complete (its stop token accepted, which `ignore_eos` does not make a
+        request stop on), or the token was outside the grammar (the sampler masks every such
+        token, so this is a fault, logged)."""
+        grammar = request.grammar
+        assert grammar is not None
+        if not grammar.accept(token):
+            logger.warning(
+                "request %s: token %d is outside its grammar; ending it", request.request_id, token
+            )
+            return False
+        return not grammar.terminated
+
+    def _finish(
+        self, request: Request, reason: str, state: RequestState = RequestState.FINISHED
+    ) -> None:
+        request.finish_reason = reason
+        request.state = state
+        request.timings.finished = self.clock.now()
+        self.book.finish(request)
+
+    def output(self, request: Request) -> RequestOutput:
+        """The request's output so far and what is new since the last one (a tail that could
+        still grow into a stop string held back)."""
+        chars, tokens = self._emitted.get(request.request_id, (0, 0))
+        visible = len(request.text)
+        if not request.is_finished and request.params.stop:
+            # Hold back a tail that could still grow into a stop string.
+            visible = max(chars, visible - max(len(s) for s in request.params.stop) + 1)
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            text=request.text[:visible],
+            token_ids=list(request.output_token_ids),
+            new_text=request.text[chars:visible],
+            new_token_ids=request.output_token_ids[tokens:],
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=(
+                [None, *request.prompt_logprobs]
+                if request.params.prompt_logprobs is not None
+                else None
+            ),
+            timings=request.timings,
+            num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        if request.is_finished:
+            self._emitted.pop(request.request_id, None)
+            self._detokenizers.pop(request.request_id, None)
+            with self._lock:
+                self.requests.pop(request.request_id, None)
+        else:
+            self._emitted[request.request_id] = (visible, len(request.output_token_ids))
+        return output
+
+
+def _find_stop(text: str, stops: list[str], delta_len: int) -> int | None:
+    """Index where the earliest stop string starts, searching only where the new text could
+    have completed one."""
+    window_start = max(0, len(text) - delta_len - max(len(s) for s in stops) + 1)
+    hits = [i for s in stops if (i := text.find(s, window_start)) >= 0]
+    return min(hits) if hits else None

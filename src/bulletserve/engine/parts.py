@@ -1,0 +1,35 @@
+"""What an executor carries the policy's plans out with, handed to it by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.life import RequestLife
+from bulletserve.engine.request import Request
+from bulletserve.engine.runner import ModelRunner
+from bulletserve.engine.sampler import Sampler
+from bulletserve.executor.book import RequestBook
+from bulletserve.executor.clock import Clock
+from bulletserve.model.decoder import DecoderLM
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """The engine's settings and clock, its request book and requests' life (to which an
+    executor hands the tokens its steps sampled), this rank's device side, the sampler and the
+    step log."""
+
+    config: EngineConfig
+    clock: Clock
+    book: RequestBook[Request]
+    life: RequestLife
+    model: DecoderLM
+    runner: ModelRunner
+    sampler: Sampler
+    device: torch.device
+    dtype: torch.dtype
+    step_log: TextIO | None
