@@ -7,7 +7,8 @@ sequences at `--context` tokens each), and times every call of each part of the 
 attention with the KV write, norms, RoPE, SiLU * up, the embedding, and the rest (Python and
 tensor glue), plus the runner's input preparation. Each part's floor is its FLOPs over the
 GEMM peak measured here (a 512 x 576 x 3072 GEMM in the model's dtype, best of several) or its
-bytes over the measured memory bandwidth (a large copy), whichever is larger.
+bytes over the measured bandwidth (a copy beyond the last-level cache where the weights outgrow
+it, one within it where they fit), whichever is larger.
 
 `--linear` runs the projections through a given GEMM instead of the one the loader's timing
 picks (`auto`): oneDNN's packed one, our blocked fp32 one, or PyTorch's `F.linear`.
@@ -26,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -103,8 +105,33 @@ def instrument(llm: LLM, timers: Timers) -> None:
     runner.prepare = timers.wrap("prepare inputs", runner.prepare)
 
 
-def measure_peaks(dtype: torch.dtype) -> tuple[float, float]:
-    """(GEMM FLOP/s, copy bytes/s) on this thread's intra-op threads."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs; 0 where it cannot be read)."""
+    sizes = [0]
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes)
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes/s (read and write counted) of the best of a few copies of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def measure_peaks(dtype: torch.dtype, weight_bytes: int) -> tuple[float, float, str]:
+    """(GEMM FLOP/s, memory bytes/s, where the weights stream from) on this thread's intra-op
+    threads. The bandwidth is a copy's of a size that, as the weights, fits the last-level
+    cache or does not: a 64 MiB copy stays in a 300 MiB L3 and runs at twice the speed of
+    memory, which a model whose weights outgrow the cache never sees."""
     x = torch.randn(512, 576, dtype=dtype)
     w = torch.randn(3072, 576, dtype=dtype)
     best = float("inf")
@@ -113,14 +140,10 @@ def measure_peaks(dtype: torch.dtype) -> tuple[float, float]:
         F.linear(x, w)
         best = min(best, time.perf_counter() - start)
     flops = 2 * 512 * 576 * 3072 / best
-    src = torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return flops, 2 * src.numel() / best
+    cache = last_level_cache_bytes()
+    if weight_bytes <= cache // 2:
+        return flops, copy_bandwidth(min(64 * 2**20, cache // 4)), "cache"
+    return flops, copy_bandwidth(max(64 * 2**20, 2 * cache)), "memory"
 
 
 def part_work(llm: LLM, rows: int, sampled: int, contexts: list[int], prefill: bool) -> dict:
@@ -217,16 +240,18 @@ def main() -> None:
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=2048)
     timers = Timers()
     instrument(llm, timers)
-    peaks = measure_peaks(llm.engine.dtype)
+    weight_bytes = llm.engine.model_config.num_parameters() * llm.engine.dtype.itemsize
+    *peaks, source = measure_peaks(llm.engine.dtype, weight_bytes)
     linear = llm.engine.model.packed_linear
     print(
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"{llm.engine.dtype}: GEMM peak {peaks[0] / 1e9:.0f} GFLOP/s, "
-        f"copy {peaks[1] / 1e9:.1f} GB/s; projections through "
+        f"copy {peaks[1] / 1e9:.1f} GB/s ({weight_bytes / 2**30:.2f} GiB of weights, streamed "
+        f"from {source}); projections through "
         f"{'F.linear' if linear is None else type(linear).__name__}"
     )
     vocab = llm.engine.model_config.vocab_size
-    results = {"dtype": str(llm.engine.dtype), "peaks": peaks, "steps": {}}
+    results = {"dtype": str(llm.engine.dtype), "peaks": peaks, "from": source, "steps": {}}
 
     tables = sequences(llm, args.prefill, args.prompt_len)
     works = [
