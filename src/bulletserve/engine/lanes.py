@@ -28,9 +28,9 @@ from bulletserve.engine.config import HANDOFF_WAIT_S
 from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
-from bulletserve.engine.runner import Placement, PrefillPass, SeqWork, request_work
+from bulletserve.engine.runner import PrefillPass, SeqWork, request_work
 from bulletserve.engine.sampler import Sampler
-from bulletserve.executor.lanes import LaneCore, LaneStep
+from bulletserve.executor.lanes import LaneCore, LaneStep, Placement
 from bulletserve.executor.record import Lane, write_step
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
@@ -298,18 +298,11 @@ class Lanes:
         the core's wait (`LaneCore.wait_s`)."""
         self.clock.wait(self._state, self.core.wait_s(lane, self.life.pending_intake))
 
-    def _placement(self, step: LaneStep[Request]) -> Placement:
-        """Where the step runs: a decode step beside a prefill group on the units that group
-        leaves (on a GPU, the disjoint remainder), any other on its own units."""
-        if step.lane == "decode" and step.units < self.units.total:
-            return Placement(step.split.prefill, rest=True)
-        return Placement(step.units)
-
     def _on_units(self, step: LaneStep[Request], work: Callable[[Placement], T]) -> tuple[T, float]:
         """Run `work(placement)` on the step's units (claimed in the core under the state lock
         when the step started), and release them when it ends; its result and the step's
         seconds. The placement goes to the runner, which tells the other ranks where to run."""
-        placement = self._placement(step)
+        placement = step.placement
         assert placement.units is not None
         step_work = partial(work, placement)
         run = partial(self.units.run, placement.units, step_work, rest=placement.rest)

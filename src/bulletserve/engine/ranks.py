@@ -24,7 +24,6 @@ from bulletserve.dist.parallel import CHANNELS, Channel, RankFailedError, Tensor
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.runner import (
     ModelRunner,
-    Placement,
     PrefillPass,
     RunLayers,
     RunStep,
@@ -32,6 +31,7 @@ from bulletserve.engine.runner import (
     WarmGemms,
     warm_cpu_gemms,
 )
+from bulletserve.executor.lanes import Placement
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import load_config, load_model, resolve_dtype

@@ -8,6 +8,7 @@ import torch
 
 from bulletserve.dist.parallel import Channel
 from bulletserve.engine.request import Request, TokenLogprob
+from bulletserve.executor.lanes import EVERY_UNIT, Placement
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import (
     AttentionMetadata,
@@ -103,18 +104,6 @@ class PrefillPass:
     works: list[SeqWork]
     batch: StepBatch
     hidden: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a lane's step runs: on `units` units (threads, SMs), or on the units beside them
-    (`rest`); None: on every unit (one lane)."""
-
-    units: int | None = None
-    rest: bool = False
-
-
-EVERY_UNIT = Placement()
 
 
 # What rank 0's runner announces to the other tensor-parallel ranks (`dist.parallel`), each

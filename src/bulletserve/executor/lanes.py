@@ -45,6 +45,25 @@ def other_lane(lane: Lane) -> Lane:
     return "decode" if lane == "prefill" else "prefill"
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a lane's step runs: on `units` units (threads, SMs), or on the units beside a
+    group of that many (`rest`); None: on every unit (one lane). The split as the one value
+    every tensor-parallel rank applies (rank 0's runner announces it with the step)."""
+
+    units: int | None = None
+    rest: bool = False
+
+    def count(self, total: int) -> int:
+        """How many units the step runs on."""
+        if self.units is None:
+            return total
+        return total - self.units if self.rest else self.units
+
+
+EVERY_UNIT = Placement()
+
+
 @dataclass
 class PrefillBatch(Generic[E]):
     """The prefill lane's batch: prompts (plus tokens to recompute after preemption) that it
@@ -68,7 +87,8 @@ class LaneStep(Generic[E]):
 
     lane: Lane
     split: Split
-    units: int
+    placement: Placement
+    units: int  # how many units `placement` gives it
     requests: list[E]
     holds: bool = field(default=True, init=False)  # whether it still holds its units
     layers: tuple[int, int] = (0, 0)
@@ -180,12 +200,17 @@ class LaneCore(Generic[E]):
         preemption would take a request out from under that step)."""
         return self.prefill is not None and bool(self.prefill.fused)
 
-    def share(self, lane: Lane, split: Split) -> int:
-        """The units a lane's step runs on under `split`: prefill on its units, decode on the
-        rest; with no prefill units (or no partitioning) a lane has the whole device."""
+    def placement(self, lane: Lane, split: Split) -> Placement:
+        """Where a lane's step runs under `split`: prefill on its group of units, decode on
+        the units beside that group (on a GPU, the disjoint remainder); with no prefill units
+        (or no partitioning) a lane has every unit."""
         if self.policy.partition == "none" or split.prefill == 0:
-            return self.total
-        return split.prefill if lane == "prefill" else self.total - split.prefill
+            return Placement(self.total)
+        return Placement(split.prefill, rest=lane == "decode")
+
+    def share(self, lane: Lane, split: Split) -> int:
+        """How many units a lane's step runs on under `split`."""
+        return self.placement(lane, split).count(self.total)
 
     def may_start(self, lane: Lane, split: Split) -> bool:
         """Whether the lane's step fits beside the other lane's running step. A step keeps its
@@ -267,7 +292,8 @@ class LaneCore(Generic[E]):
             LaneStep(
                 "prefill",
                 plan.split,
-                self.share("prefill", plan.split),
+                placement := self.placement("prefill", plan.split),
+                placement.count(self.total),
                 batch.requests,
                 (step.layer_start, step.layer_end),
                 batch.pass_tokens,
@@ -286,8 +312,11 @@ class LaneCore(Generic[E]):
             self.book.grow_blocks(request, request.num_tokens)
         self.book.busy.update(r.request_id for r in requests)
         lengths = tuple(r.num_tokens for r in requests)
-        units = self.share("decode", plan.split)
-        return self._start(LaneStep("decode", plan.split, units, requests, lengths=lengths))
+        placement = self.placement("decode", plan.split)
+        units = placement.count(self.total)
+        return self._start(
+            LaneStep("decode", plan.split, placement, units, requests, lengths=lengths)
+        )
 
     def release_units(self, lane: Lane) -> None:
         """The lane's step is done on the device: the other lane may start on its units while
