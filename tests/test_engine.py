@@ -7,9 +7,9 @@ import random
 import pytest
 
 from bulletserve import LLM, SamplingParams
+from bulletserve.bookkeeping.record import read_step_log
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
-from bulletserve.executor.record import read_step_log
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
 
 

@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
+from bulletserve.bookkeeping.record import read_step_log
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.sampling_params import SamplingParams
-from bulletserve.executor.record import read_step_log
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.sched.slo import SLO
 from bulletserve.sim.clock import VirtualClock

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bulletserve import LLM, SamplingParams
-from bulletserve.executor.record import read_step_log
+from bulletserve.bookkeeping.record import read_step_log
 from bulletserve.partition.cpu import use_one_thread
 from bulletserve.sched.bullet import RULE_NAMES, Split, parse_partition
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts

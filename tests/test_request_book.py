@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bulletserve.executor.book import RequestBook
+from bulletserve.bookkeeping.book import RequestBook
 from bulletserve.kv.allocator import BlockAllocator
 from bulletserve.sched.base import SeqView
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bulletserve.executor.record import StepRecord, read_step_log, write_step
+from bulletserve.bookkeeping.record import StepRecord, read_step_log, write_step
 from bulletserve.perf.state import ExecutionState
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bulletserve.bench.datasets import RandomLengths, load_lengths
-from bulletserve.executor.record import read_step_log
+from bulletserve.bookkeeping.record import read_step_log
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import RULE_NAMES, BulletParams, BulletPolicy
 from bulletserve.sched.slo import SLO

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bulletserve.bench.records import BenchResult  # noqa: E402
-from bulletserve.executor.record import read_step_log  # noqa: E402
+from bulletserve.bookkeeping.record import read_step_log  # noqa: E402
 
 
 def plot_step_log(step_log: Path, results: Sequence[BenchResult], path: Path) -> Path:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from bulletserve.bookkeeping.book import RequestBook
+from bulletserve.bookkeeping.clock import Clock, RealClock
 from bulletserve.dist.parallel import TensorParallel
 from bulletserve.engine.client import EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
@@ -33,8 +35,6 @@ from bulletserve.engine.runner import WarmGemms, builds_gemm_kernels, warm_cpu_g
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.single import SingleLane
-from bulletserve.executor.book import RequestBook
-from bulletserve.executor.clock import Clock, RealClock
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model

@@ -1,10 +1,10 @@
-"""Pick the executor for a policy: one lane for chunked and prefill-first, two for bullet."""
+"""The engine for a config: under bullet on a CPU, built on the thread that runs its steps."""
 
 from __future__ import annotations
 
+from bulletserve.bookkeeping.clock import Clock
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine, resolve_device
-from bulletserve.executor.clock import Clock
 from bulletserve.partition import TeamThread
 
 

@@ -10,9 +10,9 @@ from collections import deque
 
 from transformers import PreTrainedTokenizerBase
 
+from bulletserve.bookkeeping.book import RequestBook
+from bulletserve.bookkeeping.clock import Clock
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
-from bulletserve.executor.book import RequestBook
-from bulletserve.executor.clock import Clock
 from bulletserve.model.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)

@@ -7,13 +7,13 @@ from typing import TextIO
 
 import torch
 
+from bulletserve.bookkeeping.book import RequestBook
+from bulletserve.bookkeeping.clock import Clock
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.life import RequestLife
 from bulletserve.engine.request import Request
 from bulletserve.engine.runner import ModelRunner
 from bulletserve.engine.sampler import Sampler
-from bulletserve.executor.book import RequestBook
-from bulletserve.executor.clock import Clock
 from bulletserve.model.decoder import DecoderLM
 
 

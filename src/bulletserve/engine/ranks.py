@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 
+from bulletserve.bookkeeping.lanes import Placement
 from bulletserve.dist.parallel import CHANNELS, Channel, RankFailedError, TensorParallel
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.runner import (
@@ -31,7 +32,6 @@ from bulletserve.engine.runner import (
     WarmGemms,
     warm_cpu_gemms,
 )
-from bulletserve.executor.lanes import Placement
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import load_config, load_model, resolve_dtype

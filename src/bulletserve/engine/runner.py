@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bulletserve.bookkeeping.lanes import EVERY_UNIT, Placement
 from bulletserve.dist.parallel import Channel
 from bulletserve.engine.request import Request, TokenLogprob
-from bulletserve.executor.lanes import EVERY_UNIT, Placement
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import (
     AttentionMetadata,

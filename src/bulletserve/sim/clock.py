@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from bulletserve.executor.lanes import LaneCore, LaneStep
-from bulletserve.executor.single import SingleStep
+from bulletserve.bookkeeping.lanes import LaneCore, LaneStep
+from bulletserve.bookkeeping.single import SingleStep
 from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise, time_single_step
 
 T = TypeVar("T")

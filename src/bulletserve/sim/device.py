@@ -14,9 +14,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from bulletserve.executor.lanes import LANES, LaneCore, LaneStep
-from bulletserve.executor.record import Lane
-from bulletserve.executor.single import SingleStep
+from bulletserve.bookkeeping.lanes import LANES, LaneCore, LaneStep
+from bulletserve.bookkeeping.record import Lane
+from bulletserve.bookkeeping.single import SingleStep
 from bulletserve.model.config import ModelConfig
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel, StepPrediction

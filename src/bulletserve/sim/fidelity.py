@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from bulletserve.bench.records import BenchResult, RunResult, load_result
-from bulletserve.executor.record import StepRecord, read_step_log
+from bulletserve.bookkeeping.record import StepRecord, read_step_log
 from bulletserve.perf.model import StepPrediction
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched import SchedulerConfig

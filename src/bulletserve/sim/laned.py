@@ -19,8 +19,8 @@ predictions (the engine on the simulator's virtual clock does not observe either
 
 from __future__ import annotations
 
-from bulletserve.executor.lanes import LANES, LaneCore
-from bulletserve.executor.record import Lane
+from bulletserve.bookkeeping.lanes import LANES, LaneCore
+from bulletserve.bookkeeping.record import Lane
 from bulletserve.sched.bullet import BulletPolicy
 from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise
 from bulletserve.sim.request import SimRequest

@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TextIO
 
-from bulletserve.executor.book import RequestBook
-from bulletserve.executor.record import StepRecord, write_step
+from bulletserve.bookkeeping.book import RequestBook
+from bulletserve.bookkeeping.record import StepRecord, write_step
 from bulletserve.kv.allocator import BlockAllocator
 from bulletserve.sim.request import SimRequest
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic
 
-from bulletserve.executor.book import E, RequestBook
-from bulletserve.executor.record import Lane, StepRecord
+from bulletserve.bookkeeping.book import E, RequestBook
+from bulletserve.bookkeeping.record import Lane, StepRecord
 from bulletserve.perf.model import Corrections
 from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (

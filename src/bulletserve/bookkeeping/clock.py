@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from bulletserve.executor.lanes import LaneCore, LaneStep
-from bulletserve.executor.single import SingleStep
+from bulletserve.bookkeeping.lanes import LaneCore, LaneStep
+from bulletserve.bookkeeping.single import SingleStep
 
 T = TypeVar("T")
 

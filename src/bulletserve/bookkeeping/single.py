@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic
 
-from bulletserve.executor.book import E, RequestBook
-from bulletserve.executor.record import StepLane, StepRecord
+from bulletserve.bookkeeping.book import E, RequestBook
+from bulletserve.bookkeeping.record import StepLane, StepRecord
 from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.base import SchedulerSnapshot, StepPlan
 
