@@ -33,6 +33,11 @@ def test_help_ends_every_flag_with_its_default(capsys):
     assert "(default: $BULLET_API_KEY)" in text  # the key itself never appears in --help
 
 
+def test_every_flag_defaults_to_its_configs_default():
+    """Each default is stated once, in EngineConfig: no flags give the config's defaults."""
+    assert _engine_config() == EngineConfig(model="tiny", load_format="dummy")
+
+
 def test_enable_chunked_prefill_picks_the_policy_as_vllms_does():
     assert _engine_config().policy == "chunked"
     assert _engine_config("--enable-chunked-prefill").policy == "chunked"

@@ -161,6 +161,8 @@ def add_scheduler_args(
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field's flag, with the field's default."""
+    default = {f.name: f.default for f in fields(EngineConfig)}
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
@@ -188,7 +190,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--load-format",
-        default="auto",
+        default=default["load_format"],
         choices=LOAD_FORMATS,
         help="dummy: random weights, of a preset's shape (tiny, smollm2-135m, llama-3.1-8b, ...) "
         "or of the --model folder's or cached id's config.json",
@@ -201,19 +203,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--dtype",
-        default="auto",
+        default=default["dtype"],
         help="auto (bf16 on a GPU and on a CPU with native bf16, else float32), "
         "bfloat16, float16 or float32",
     )
-    group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    group.add_argument("--device", default=default["device"], choices=("auto", "cpu", "cuda"))
     group.add_argument(
         "--generation-config",
-        default="auto",
+        default=default["generation_config"],
         help="sampling defaults for requests that leave them out (temperature, top_p, top_k, "
         "min_p, repetition_penalty, max_tokens): auto, from the model's "
         "generation_config.json where it has one; vllm, ours; or a folder holding one",
     )
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=default["seed"])
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument(
         "--kv-cache-memory",
@@ -238,7 +240,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         "-tp",
         type=int,
-        default=1,
+        default=default["tensor_parallel_size"],
         help="shard the weights and the KV cache's heads over N ranks (processes on this "
         "machine, a GPU each, or sharing the CPU's cores), torch.distributed between them "
         "(NCCL on GPUs, gloo on CPUs)",
@@ -246,7 +248,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cpu-warmup-rows",
         type=int,
-        default=256,
+        default=default["cpu_warmup_rows"],
         help="on a CPU in bf16 or fp16, build the GEMM kernels of steps of up to N rows "
         "(above 32 rows padded to multiples of 16) at start, at every thread count a lane may "
         "use, so that no request pays for building one (0: build each when first met)",
@@ -258,14 +260,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "batch bucket and SM group",
     )
     bullet = add_scheduler_args(parser, group)
-    bullet.add_argument("--slo-ttft-per-token-ms", type=float, default=3.0)
+    bullet.add_argument(
+        "--slo-ttft-per-token-ms", type=float, default=default["slo_ttft_per_token_ms"]
+    )
     bullet.add_argument(
         "--slo-ttft-base-ms",
         type=float,
-        default=0.0,
+        default=default["slo_ttft_base_ms"],
         help="a fixed part of the TTFT SLO: a prompt of n tokens has base + n x per-token",
     )
-    bullet.add_argument("--slo-tpot-ms", type=float, default=150.0)
+    bullet.add_argument("--slo-tpot-ms", type=float, default=default["slo_tpot_ms"])
     bullet.add_argument("--hardware-profile", default=None, help="a `bullet profile` JSON file")
     bullet.add_argument(
         "--step-log", default=None, help="write one JSON line per step (per lane step under bullet)"
