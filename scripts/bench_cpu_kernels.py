@@ -23,7 +23,7 @@ import torch
 
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
-from bulletserve.engine.runner import SeqWork
+from bulletserve.engine.model_runner import SeqWork
 from bulletserve.model.cpu_kernels import packed_linear_kernel
 from bulletserve.model.loader import load_model
 

@@ -86,7 +86,7 @@ def run_steps(args: argparse.Namespace) -> dict:
 
     from bulletserve.engine.config import EngineConfig
     from bulletserve.engine.engine import LLMEngine
-    from bulletserve.engine.runner import SeqWork
+    from bulletserve.engine.model_runner import SeqWork
 
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_model_len=1024))
     buffer = torch.ones(256 * 2**20, dtype=torch.bfloat16)  # 512 MiB, read once per sum

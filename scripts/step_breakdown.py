@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bulletserve import LLM
-from bulletserve.engine.runner import SeqWork
+from bulletserve.engine.model_runner import SeqWork
 from bulletserve.model import attention as attention_module
 from bulletserve.model import decoder as decoder_module
 from bulletserve.model import loader as loader_module

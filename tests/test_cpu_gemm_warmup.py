@@ -7,7 +7,7 @@ import torch
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.runner import builds_gemm_kernels, padded_rows, warm_cpu_gemms
+from bulletserve.engine.model_runner import builds_gemm_kernels, padded_rows, warm_cpu_gemms
 from bulletserve.model.decoder import Linear
 from bulletserve.perf.hardware import HardwareProfile
 

@@ -11,7 +11,7 @@ import torch
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import PaddedDecode, batch_buckets, bucket, padded_forward
 from bulletserve.engine.engine import LLMEngine
-from bulletserve.engine.runner import ModelRunner, SeqWork
+from bulletserve.engine.model_runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model

@@ -15,11 +15,11 @@ from bulletserve.engine.factory import create_engine
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.sched.slo import SLO
+from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate_requests
 from bulletserve.sim.clock import VirtualClock
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.hardware import load_model_config
 from bulletserve.sim.request import SimRequest
-from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_requests
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 256

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bulletserve.engine.runner import ModelRunner, SeqWork
+from bulletserve.engine.model_runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model import loader
 from bulletserve.model.cpu_kernels import (

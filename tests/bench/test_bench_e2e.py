@@ -15,7 +15,7 @@ import pytest
 
 from bulletserve.bench.client import Target, make_client
 from bulletserve.bench.datasets import WorkloadRequest
-from bulletserve.bench.runner import LoadLevel, run_level
+from bulletserve.bench.load import LoadLevel, run_level
 from bulletserve.cli import main
 
 SERVER_START_TIMEOUT_S = 180

@@ -7,7 +7,7 @@ import pytest
 
 from bulletserve.bench.datasets import load_lengths, load_workload
 from bulletserve.bench.shared import TURNS, shared_prompts
-from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_requests
+from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate_requests
 from bulletserve.sim.workload import arrivals_for, make_requests, prompt_tokens
 from tests.tiny_models import needs_default_model
 

@@ -8,7 +8,7 @@ import dataclasses
 from bulletserve.bench.records import load_result
 from bulletserve.cli import main
 from bulletserve.sched.slo import SLO
-from bulletserve.sim.runner import SimConfig, simulate
+from bulletserve.sim.benchmark import SimConfig, simulate
 
 
 def _result(label: str, rates: tuple[float, ...], seed: int):

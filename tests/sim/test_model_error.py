@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bulletserve.sched.slo import SLO
-from bulletserve.sim.runner import SimConfig, simulate
+from bulletserve.sim.benchmark import SimConfig, simulate
 
 PROFILE = Path(__file__).resolve().parent.parent / "fixtures" / "cpu-profile.json"
 # The SLOs docs/bullet-rules.md's ablations use on this profile (from its isolated latencies).
@@ -52,7 +52,7 @@ def test_the_simulated_device_teaches_the_policy_its_speed():
     times for steps of the sizes it ran, where they started 2x off."""
     from bulletserve.bench.datasets import load_lengths
     from bulletserve.perf.state import ExecutionState
-    from bulletserve.sim.runner import make_sim_policy, setup, simulate_run
+    from bulletserve.sim.benchmark import make_sim_policy, setup, simulate_run
 
     config = SimConfig(
         hardware=str(PROFILE),

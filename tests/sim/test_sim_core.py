@@ -12,6 +12,7 @@ from bulletserve.bookkeeping.record import read_step_log
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import RULE_NAMES, BulletParams, BulletPolicy
 from bulletserve.sched.slo import SLO
+from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate
 from bulletserve.sim.device import Noise
 from bulletserve.sim.hardware import (
     DEVICE_MEMORY,
@@ -21,7 +22,6 @@ from bulletserve.sim.hardware import (
     load_hardware,
 )
 from bulletserve.sim.laned import LanedSimulator
-from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate
 from bulletserve.sim.single import run_single_lane
 from bulletserve.sim.state import SimState
 from bulletserve.sim.workload import arrivals_for, make_requests

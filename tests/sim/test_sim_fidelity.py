@@ -12,7 +12,7 @@ import pytest
 from bulletserve.perf.hardware import load_preset
 from bulletserve.sched.slo import SLO
 from bulletserve.sim import fidelity
-from bulletserve.sim.runner import SimConfig, simulate
+from bulletserve.sim.benchmark import SimConfig, simulate
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 

@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.bench.datasets import DatasetError, RandomLengths
     from bulletserve.bench.report import summary_table
     from bulletserve.cli.bench import _rates, _slo
+    from bulletserve.sim.benchmark import SimConfig, simulate
     from bulletserve.sim.hardware import SimSetupError
-    from bulletserve.sim.runner import SimConfig, simulate
 
     if args.num_prompts < 1 or args.tensor_parallel_size < 1:
         raise CLIError("--num-prompts and --tensor-parallel-size must be at least 1")

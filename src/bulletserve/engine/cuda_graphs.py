@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bulletserve.engine.runner import SeqWork, block_tables
+from bulletserve.engine.model_runner import SeqWork, block_tables
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import AttentionMetadata, DecodeKernel
 from bulletserve.model.decoder import DecoderLM

@@ -1,6 +1,7 @@
-"""The engine: requests in (tokenized and checked), outputs out (detokenized, stop strings,
-finishing); its executor carries the policy's plans out on the device (`engine.single`: snapshot
--> plan -> model step -> sampling; `engine.lanes`: Bullet's two lanes).
+"""The engine: requests in (tokenized and checked), outputs out (the requests' life,
+`engine.life`); its executor carries the policy's plans out on the device
+(`engine.single_lane`: snapshot -> plan -> model step -> sampling; `engine.lanes`: Bullet's
+two lanes).
 
 `add_request` and `abort_request` may be called from any thread; `step` runs on the engine's
 own thread (the lanes on theirs) and only there does request state change.
@@ -24,6 +25,7 @@ from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import DecodeGraphs
 from bulletserve.engine.lanes import Lanes
 from bulletserve.engine.life import RequestLife
+from bulletserve.engine.model_runner import WarmGemms, builds_gemm_kernels, warm_cpu_gemms
 from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.ranks import Ranks, build_device_side, rank_device, rank_threads
 from bulletserve.engine.request import (
@@ -31,10 +33,9 @@ from bulletserve.engine.request import (
     RequestOutput,
     RequestTimings,
 )
-from bulletserve.engine.runner import WarmGemms, builds_gemm_kernels, warm_cpu_gemms
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
-from bulletserve.engine.single import SingleLane
+from bulletserve.engine.single_lane import SingleLane
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model
@@ -59,7 +60,7 @@ class LLMEngine:
     """The engine: the model, the KV pool and the tokenizer, the requests' life
     (`engine.life`: intake, detokenization, stops, outputs) and the executor that carries each
     policy's plans out and hands what its steps sampled to that life: one lane
-    (`engine.single`) for chunked and prefill-first, Bullet's two (`engine.lanes`). The
+    (`engine.single_lane`) for chunked and prefill-first, Bullet's two (`engine.lanes`). The
     executor gets the parts it works with (`engine.parts`), never the engine."""
 
     def __init__(
@@ -339,7 +340,7 @@ class LLMEngine:
 
 
 class Executor(Protocol):
-    """How an engine carries its policy's plans out: `engine.single` or `engine.lanes`."""
+    """How an engine carries its policy's plans out: `engine.single_lane` or `engine.lanes`."""
 
     policy: Policy | BulletPolicy
 

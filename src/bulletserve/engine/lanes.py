@@ -27,10 +27,10 @@ import torch
 from bulletserve.bookkeeping.lanes import LaneCore, LaneStep, Placement
 from bulletserve.bookkeeping.record import Lane, write_step
 from bulletserve.engine.config import HANDOFF_WAIT_S
+from bulletserve.engine.model_runner import PrefillPass, SeqWork, request_work
 from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
-from bulletserve.engine.runner import PrefillPass, SeqWork, request_work
 from bulletserve.engine.sampler import Sampler
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units

@@ -11,8 +11,8 @@ from bulletserve.bookkeeping.book import RequestBook
 from bulletserve.bookkeeping.clock import Clock
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.life import RequestLife
+from bulletserve.engine.model_runner import ModelRunner
 from bulletserve.engine.request import Request
-from bulletserve.engine.runner import ModelRunner
 from bulletserve.engine.sampler import Sampler
 from bulletserve.model.decoder import DecoderLM
 

@@ -23,7 +23,7 @@ import torch
 from bulletserve.bookkeeping.lanes import Placement
 from bulletserve.dist.parallel import CHANNELS, Channel, RankFailedError, TensorParallel
 from bulletserve.engine.config import EngineConfig
-from bulletserve.engine.runner import (
+from bulletserve.engine.model_runner import (
     ModelRunner,
     PrefillPass,
     RunLayers,

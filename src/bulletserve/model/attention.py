@@ -95,7 +95,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V is written
     prefills: list[PrefillSpan]
     num_prefill_tokens: int
-    # The step's tokens; the rows after them (a CPU step pads its rows, engine.runner) are
+    # The step's tokens; the rows after them (a CPU step pads its rows, engine.model_runner) are
     # computed row by row like the others but neither cached nor attended.
     num_tokens: int
     # Decodes through PyTorch SDPA: cache slots of each sequence's context, padded with the

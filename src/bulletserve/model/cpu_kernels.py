@@ -266,7 +266,7 @@ class LinearKernel(Protocol):
     """A CPU GEMM y = x W^T (+ bias) over weights repacked once, at load, into its own layout."""
 
     # Whether it builds (JIT-compiles) a kernel per new row count, as oneDNN does: the runner
-    # then pads rows and warms those builds up (engine.runner.builds_gemm_kernels).
+    # then pads rows and warms those builds up (engine.model_runner.builds_gemm_kernels).
     builds_per_row_count: ClassVar[bool]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from bulletserve.engine.runner import ModelRunner, SeqWork
+from bulletserve.engine.model_runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.partition import CpuThreads, GreenContextSMs

@@ -33,8 +33,8 @@ from bulletserve.bench.datasets import PAPER_SLOS, dataset_family, load_lengths 
 from bulletserve.sched import SchedulerConfig  # noqa: E402
 from bulletserve.sched.bullet import RULE_NAMES, BulletPolicy  # noqa: E402
 from bulletserve.sched.slo import SLO  # noqa: E402
+from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate_run  # noqa: E402
 from bulletserve.sim.hardware import SimSetupError  # noqa: E402
-from bulletserve.sim.runner import SimConfig, make_sim_policy, setup, simulate_run  # noqa: E402
 
 TARGET = 0.9
 # Rate grids (req/s) from where every policy keeps 90% to past where each falls below it, on

@@ -49,15 +49,15 @@ from bulletserve.perf.model import StepPrediction
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched import SchedulerConfig
 from bulletserve.sched.slo import SLO
-from bulletserve.sim.device import CachedPerfModel
-from bulletserve.sim.request import SimRequest
-from bulletserve.sim.runner import (
+from bulletserve.sim.benchmark import (
     DEFAULT_NOISE,
     SimConfig,
     make_sim_policy,
     setup,
     simulate_requests,
 )
+from bulletserve.sim.device import CachedPerfModel
+from bulletserve.sim.request import SimRequest
 
 TARGET = 0.15  # relative, for the latency and throughput figures
 ATTAINMENT_TARGET = 0.1  # absolute, for SLO attainment (a fraction of the requests)

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bulletserve.bench.datasets import PAPER_SLOS, dataset_family  # noqa: E402
 from bulletserve.bench.records import BenchResult  # noqa: E402
 from bulletserve.bench.report import lookup  # noqa: E402
-from bulletserve.sim.runner import SimConfig, simulate  # noqa: E402
+from bulletserve.sim.benchmark import SimConfig, simulate  # noqa: E402
 
 WORKLOADS = ("sharegpt-like", "azure-code-like", "arxiv-sum-like")
 RATES = (10.0, 12.5, 15.0, 17.5, 20.0, 22.5, 25.0)

@@ -12,9 +12,9 @@ import torch
 
 from bulletserve.bookkeeping.record import write_step
 from bulletserve.bookkeeping.single import begin_single_step, end_single_step, scheduler_snapshot
+from bulletserve.engine.model_runner import SeqWork, request_work
 from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.request import RequestOutput, RequestState
-from bulletserve.engine.runner import SeqWork, request_work
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot
