@@ -69,3 +69,11 @@ def test_generated_line_separators_do_not_split_an_event():
     assert record.error is None and record.success
     assert len(record.token_times_s) == 3
     assert record.output_len == 3
+
+
+def test_the_request_carries_the_temperature_only_when_one_is_given():
+    """`bullet bench --temperature T` sends T with every request, as vLLM's client does;
+    without it the server's default (and its model's generation config) applies."""
+    assert "temperature" not in Target("http://127.0.0.1:1", "m").payload("hi", 4)
+    body = Target("http://127.0.0.1:1", "m", ignore_eos=True, temperature=0.0).payload("hi", 4)
+    assert body["temperature"] == 0.0 and body["ignore_eos"] is True

@@ -42,6 +42,7 @@ class Target:
     endpoint: str = "completions"
     api_key: str | None = None
     ignore_eos: bool = False
+    temperature: float | None = None  # None: the server's default
 
     @property
     def url(self) -> str:
@@ -65,6 +66,8 @@ class Target:
             body["prompt"] = prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         return body
 
 

@@ -33,6 +33,7 @@ class BenchConfig:
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = False
+    temperature: float | None = None  # None: the server's default
     max_model_len: int | None = None
     random_lengths: RandomLengths = field(default_factory=RandomLengths)
     trace_arrivals: bool = False
@@ -66,7 +67,14 @@ async def run_benchmark(
             max_model_len,
             config.random_lengths,
         )
-        target = Target(config.base_url, model, config.endpoint, config.api_key, config.ignore_eos)
+        target = Target(
+            config.base_url,
+            model,
+            config.endpoint,
+            config.api_key,
+            config.ignore_eos,
+            config.temperature,
+        )
 
         def count_tokens(text: str) -> int:
             return len(tokenizer.encode(text, add_special_tokens=False))

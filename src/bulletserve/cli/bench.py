@@ -121,6 +121,13 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         help="azure: send at the trace's timestamps (scaled to the rate unless inf)",
     )
     load.add_argument("--ignore-eos", action="store_true")
+    load.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="every request's temperature, as vLLM's client sends it (0: greedy; default: "
+        "none sent, the server's own)",
+    )
 
     slo = parser.add_argument_group("SLOs")
     slo.add_argument(
@@ -233,6 +240,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
         max_model_len=args.max_model_len,
         random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
         trace_arrivals=args.trace_arrivals,
