@@ -38,6 +38,7 @@ from bulletserve.model import attention as attention_module
 from bulletserve.model import decoder as decoder_module
 from bulletserve.model import loader as loader_module
 from bulletserve.model.cpu_kernels import FusedOps, blocked_linear_kernel, onednn_linear_kernel
+from bulletserve.partition.measure import time_call
 
 
 class Timers:
@@ -119,12 +120,7 @@ def copy_bandwidth(nbytes: int) -> float:
     """Bytes/s (read and write counted) of the best of a few copies of `nbytes`."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return 2 * nbytes / time_call(lambda: dst.copy_(src), lambda: None, 5)
 
 
 def measure_peaks(dtype: torch.dtype, weight_bytes: int) -> tuple[float, float, str]:

@@ -70,9 +70,7 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
             or "default" in (action.help or "")
         ):
             continue
-        action.help = (
-            f"{action.help} (default: %(default)s)" if action.help else ("(default: %(default)s)")
-        )
+        action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TypeVar
 
@@ -62,18 +62,16 @@ class Lanes:
     own threads (see the module's docstring)."""
 
     def __init__(self, parts: EngineParts, team: TeamThread | None = None) -> None:
-        self.config, self.clock, self.book, self.life = (
-            parts.config,
-            parts.clock,
-            parts.book,
-            parts.life,
-        )
-        self.model_config, self.runner, self.sampler = (
-            parts.model.config,
-            parts.runner,
-            parts.sampler,
-        )
-        self.device, self.dtype, self.step_log = parts.device, parts.dtype, parts.step_log
+        self.config = parts.config
+        self.clock = parts.clock
+        self.book = parts.book
+        self.life = parts.life
+        self.model_config = parts.model.config
+        self.runner = parts.runner
+        self.sampler = parts.sampler
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.step_log = parts.step_log
         # On a CPU, the thread that built the engine (create_engine makes it) and runs every
         # multi-threaded lane step; the lane threads themselves never lead an OpenMP team.
         self._team = team
@@ -259,11 +257,11 @@ class Lanes:
             self._emit(output)
         return self.core.plan(lane, self.clock.now(), self.perf.corrections)
 
-    def _hand_over(self, requests: list[Request], sampled: list[Sampled]) -> None:
+    def _hand_over(self, rows: Iterable[tuple[Request, Sampled]]) -> None:
         """Hand the tokens a step sampled to the requests' life and emit their outputs; a
         request that ran to its end feeds the window of recent TPOTs."""
         now = self.clock.now()
-        for request, (token, logprob) in zip(requests, sampled, strict=True):
+        for request, (token, logprob) in rows:
             self.life.append_token(request, token, logprob, now)
             t = request.timings
             if request.state is RequestState.FINISHED and t.first_token is not None:
@@ -443,7 +441,8 @@ class Lanes:
             if not request.output_token_ids:  # not a recomputation after preemption
                 ttft = now - request.timings.arrival
                 self.core.window.first_token(ttft, len(request.prompt_token_ids))
-        self._hand_over(ended.sampled, [sampled[row_of[work]] for work in ended.rows])
+        tokens = (sampled[row_of[work]] for work in ended.rows)
+        self._hand_over(zip(ended.sampled, tokens, strict=True))
 
     # ---- the decode lane --------------------------------------------------------------------
 
@@ -476,7 +475,7 @@ class Lanes:
                         self.book.release_blocks(request)
                     else:
                         alive.append((request, token))
-                self._hand_over([r for r, _ in alive], [t for _, t in alive])
+                self._hand_over(alive)
                 self.clock.notify_all(self._state)
 
 

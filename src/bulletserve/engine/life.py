@@ -29,12 +29,10 @@ class RequestLife:
         book: RequestBook[Request],
         clock: Clock,
     ) -> None:
-        self.tokenizer, self.max_model_len, self.book, self.clock = (
-            tokenizer,
-            max_model_len,
-            book,
-            clock,
-        )
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.book = book
+        self.clock = clock
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) reported
