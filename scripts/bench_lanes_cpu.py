@@ -251,7 +251,7 @@ def main() -> None:
         choices=("quick", "full"),
         help="with --interleave: a `bullet profile` (quick unless `full`: about 30 s or 80 s "
         "on 2 cores) before every run, saved beside it as LABEL.rate-R.profile.json (for "
-        "python -m bulletserve.sim.fidelity --profile-per-run)",
+        "bullet simulate fidelity --profile-per-run)",
     )
     args = parser.parse_args()
     if args.profile_each_run and not args.interleave:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -31,6 +33,37 @@ def test_help_ends_every_flag_with_its_default(capsys):
     ):
         assert shown in text, shown
     assert "(default: $BULLET_API_KEY)" in text  # the key itself never appears in --help
+
+
+def test_the_command_line_builds_without_torch():
+    """`bullet --help` and every subcommand's parser stay light: torch, transformers and
+    matplotlib load only when a command runs."""
+    code = (
+        "import sys; from bulletserve.cli import build_parser; build_parser(); "
+        "print(sorted({'torch', 'transformers', 'matplotlib', 'fastapi'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["simulate", "capacity", "--help"], "--workloads WORKLOADS"),
+        (["simulate", "fidelity", "--help"], "--served-speed"),
+        (["simulate", "paper", "--help"], "--out OUT"),
+        (["profile", "validate", "--help"], "--repeats REPEATS"),
+    ],
+)
+def test_the_studies_are_subcommands(capsys, argv, shown):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert shown in capsys.readouterr().out
+
+
+def test_simulate_without_a_device_names_the_flags(capsys):
+    assert main(["simulate", "--policy", "chunked"]) == 2
+    assert "--hardware and --model are required" in capsys.readouterr().err
 
 
 def test_every_flag_defaults_to_its_configs_default():

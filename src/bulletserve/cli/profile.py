@@ -34,6 +34,19 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller sweep (under 2 minutes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(run=run)
+    actions = parser.add_subparsers(dest="profile_action", metavar="{validate}")
+    validate = actions.add_parser(
+        "validate",
+        help="predicted against measured step times on shapes the fit did not see",
+        description="Profiles this CPU with the embedded default model, measuring held-out "
+        "prefill and decode shapes (alone and co-running) in the same rounds as the profile's "
+        "own; fits on the profile's shapes only and compares the calibrated model, the plain "
+        "roofline and a linear fit per phase on the held-out ones. Writes perf-model.json and "
+        "the scatter plot perf-model.png.",
+    )
+    validate.add_argument("--quick", action="store_true", help="the quick plan's shapes")
+    validate.add_argument("--repeats", type=int, help="measurement rounds (default: the plan's)")
+    validate.add_argument("--out-dir", type=Path, default=Path("docs"))
 
 
 def _device_name(device) -> str:
@@ -68,6 +81,10 @@ def summary(hw, samples) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.profile_action == "validate":
+        from bulletserve.profiling.validate import from_args
+
+        return from_args(args)
     import torch
 
     from bulletserve.engine.config import EngineConfig

@@ -13,9 +13,9 @@ from bulletserve.server.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_WAITING_REQUESTS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
+    STATS_INTERVAL_S,
     ServerSettings,
 )
-from bulletserve.server.stats_log import STATS_INTERVAL_S
 from bulletserve.server.tools import TOOL_PARSERS
 
 logger = logging.getLogger("bulletserve.serve")

@@ -2,6 +2,9 @@
 
 bullet simulate --hardware a100-80g --model llama-3.1-8b --policy bullet \\
     --dataset sharegpt-like --num-prompts 1000 --request-rates 10,15,20,25 --output sim.json
+bullet simulate capacity --hardware h200 --workloads sharegpt-like --out capacity.png
+bullet simulate fidelity --profile PROFILE.json SWEEP/*.json
+bullet simulate paper --out docs
 
 The result file has `bullet bench`'s schema, marked simulated with the hardware profile, so
 `bullet bench compare` and `bullet bench plot` take simulated and measured runs alike.
@@ -16,6 +19,13 @@ from pathlib import Path
 from bulletserve.cli import CLIError
 from bulletserve.engine.config import add_scheduler_args, policy_of
 from bulletserve.sched import SchedulerConfig
+from bulletserve.sim.defaults import (
+    CAPACITY_GRIDS,
+    CAPACITY_POLICIES,
+    CAPACITY_TARGET,
+    DEFAULT_NOISE,
+    PAPER_WORKLOADS,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -28,47 +38,22 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     )
     parser.set_defaults(run=run)
     device = parser.add_argument_group("modeled device and model")
-    device.add_argument(
-        "--hardware",
-        required=True,
-        metavar="NAME|PATH",
-        help="a100-80g, h100, h200, h20 (datasheet presets) or a `bullet profile` JSON",
-    )
-    device.add_argument(
-        "--model",
-        required=True,
-        metavar="PRESET|PATH",
-        help="a model preset "
-        "(llama-3.1-8b, llama-3.1-70b, qwen3-8b, smollm2-135m, tiny) or config.json",
-    )
-    device.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    device.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="GPUs of one node the model is sharded over (all-reduce times from the profile)",
-    )
+    _add_device_args(device)
     device.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
-        help="share of device memory for weights and KV cache (vLLM's; default 0.9)",
+        help="share of device memory for weights and KV cache (vLLM's)",
     )
-    device.add_argument(
-        "--device-memory-gib", type=float, help="device memory (default: the preset's datasheet)"
-    )
-    device.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks, exactly")
     device.add_argument(
         "--device-slowdown",
         type=float,
         default=1.0,
         help="the modeled device runs this many times slower than the profile predicts, while "
-        "the policy believes the profile and corrects itself online (default 1)",
+        "the policy believes the profile and corrects itself online",
     )
 
     engine = parser.add_argument_group("engine (the flags and defaults of bullet serve)")
-    engine.add_argument("--max-model-len", type=int)
     add_scheduler_args(parser, engine)
 
     data = parser.add_argument_group("workload (as bullet bench)")
@@ -90,19 +75,10 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     data.add_argument(
         "--noise",
         type=float,
-        default=0.02,
-        help="log-normal sigma of per-step time noise (default 0.02; 0: exact predictions)",
+        default=DEFAULT_NOISE,
+        help="log-normal sigma of per-step time noise (0: exact predictions)",
     )
-
-    slo = parser.add_argument_group("SLOs (default: the paper's for the dataset)")
-    slo.add_argument("--slo-ttft-per-token-ms", type=float)
-    slo.add_argument(
-        "--slo-ttft-base-ms",
-        type=float,
-        default=0.0,
-        help="a fixed part of the TTFT SLO, added to input tokens x the per-token SLO",
-    )
-    slo.add_argument("--slo-tpot-ms", type=float)
+    _add_slo_args(parser.add_argument_group("SLOs (default: the paper's for the dataset)"))
 
     out = parser.add_argument_group("output")
     out.add_argument("--label", help="name of this run in tables and plots")
@@ -114,6 +90,195 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         metavar="PATH",
         help="one JSON line per simulated step (a sweep writes PATH-rate<R> per rate)",
     )
+    _add_studies(parser.add_subparsers(dest="study", metavar="{capacity,fidelity,paper}"))
+
+
+def _add_device_args(
+    group: argparse._ActionsContainer, hardware: str | None = None, model: str | None = None
+) -> None:
+    """The modeled device and model, as `bullet simulate` and its capacity study take them."""
+    group.add_argument(
+        "--hardware",
+        default=hardware,
+        metavar="NAME|PATH",
+        help="a100-80g, h100, h200, h20 (datasheet presets) or a `bullet profile` JSON",
+    )
+    group.add_argument(
+        "--model",
+        default=model,
+        metavar="PRESET|PATH",
+        help="a model preset "
+        "(llama-3.1-8b, llama-3.1-70b, qwen3-8b, smollm2-135m, tiny) or config.json",
+    )
+    group.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="GPUs of one node the model is sharded over (all-reduce times from the profile)",
+    )
+    group.add_argument("--max-model-len", type=int, help="(default: the model's)")
+    group.add_argument(
+        "--device-memory-gib", type=float, help="device memory (default: the preset's datasheet)"
+    )
+    group.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks, exactly")
+
+
+def _add_slo_args(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--slo-ttft-per-token-ms", type=float)
+    group.add_argument(
+        "--slo-ttft-base-ms",
+        type=float,
+        default=0.0,
+        help="a fixed part of the TTFT SLO, added to input tokens x the per-token SLO",
+    )
+    group.add_argument("--slo-tpot-ms", type=float)
+
+
+def _add_studies(studies: argparse._SubParsersAction) -> None:
+    capacity = studies.add_parser(
+        "capacity",
+        help="the highest rate each policy serves at an SLO attainment target",
+        description="For each workload and policy, the highest Poisson rate that keeps SLO "
+        "attainment at the target, and Bullet's over the best baseline's. Each (workload, "
+        "policy, seed) walks its rate grid upwards and stops after two rates in a row below "
+        "the target; a rate's attainment is the median over the seeds; a rate counts only if "
+        "every rate below it kept the target.",
+    )
+    _add_device_args(capacity, hardware="a100-80g", model="llama-3.1-8b")
+    capacity.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        help="running requests at most, for every policy (as bullet serve; vLLM's on a GPU of "
+        "70 GiB or more other than an A100 is 1024)",
+    )
+    capacity.add_argument(
+        "--workloads", default=",".join(CAPACITY_GRIDS), help="dataset presets, comma-separated"
+    )
+    capacity.add_argument(
+        "--policies",
+        default=",".join(CAPACITY_POLICIES),
+        help="comma-separated: bullet, chunked-N (N-token chunks), prefill-first, and "
+        "bullet-without-RULE[+RULE] ablations",
+    )
+    capacity.add_argument("--seeds", default="0,1,2", help="a rate's attainment is their median")
+    capacity.add_argument("--num-prompts", type=int, default=1000, help="requests per run")
+    capacity.add_argument(
+        "--rates",
+        type=_positive_rates,
+        metavar="R1,R2,...",
+        help="one grid for every workload (default: per workload)",
+    )
+    capacity.add_argument("--target", type=float, default=CAPACITY_TARGET, help="attainment")
+    _add_slo_args(capacity.add_argument_group("SLOs (default: the paper's for the workload)"))
+    capacity.add_argument("--workers", type=int, default=1, help="processes running simulations")
+    capacity.add_argument("--out", type=Path, help="the plot (PNG)")
+    capacity.add_argument("--results", type=Path, help="the attainment grids (JSON)")
+
+    fidelity = studies.add_parser(
+        "fidelity",
+        help="measured bullet bench runs against their simulation on the measured profile",
+        description="Replays measured `bullet bench` runs request for request (lengths as "
+        "measured, arrival times, SLOs) on the device's profile and prints mean TTFT, mean "
+        "TPOT and throughput (target: within 15%%) and SLO attainment (within 0.1) side by "
+        "side. Exit status 1 where a figure misses. docs/simulation.md explains each flag.",
+    )
+    fidelity.add_argument("measured", nargs="+", type=Path, help="bullet bench result files")
+    fidelity.add_argument("--profile", help="the `bullet profile` JSON of the device")
+    fidelity.add_argument(
+        "--profile-per-run",
+        action="store_true",
+        help="replay each run on the profile taken right before it (LABEL.rate-R.profile.json "
+        "beside the result file: scripts/bench_lanes_cpu.py --profile-each-run)",
+    )
+    fidelity.add_argument("--model", default="smollm2-135m", help="model preset or config.json")
+    fidelity.add_argument("--policy", help="the served policy, when labels do not say")
+    fidelity.add_argument("--chunked-prefill-size", type=int)
+    fidelity.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    fidelity.add_argument(
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+    )
+    fidelity.add_argument("--num-gpu-blocks-override", type=int)
+    fidelity.add_argument("--dtype", default="bfloat16")
+    fidelity.add_argument("--noise", type=float, default=DEFAULT_NOISE)
+    fidelity.add_argument("--out-dir", type=Path, help="save the simulated results here")
+    fidelity.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="what-if: every predicted step this many times slower (serving vs the profile)",
+    )
+    fidelity.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        help="what-if: the host's time per step, in place of the profile's",
+    )
+    fidelity.add_argument(
+        "--host-ms-per-row",
+        type=float,
+        default=0.0,
+        help="what-if: host time per batch row added to every step (see HostTaxedPerfModel)",
+    )
+    fidelity.add_argument(
+        "--served-speed",
+        action="store_true",
+        help="diagnostic: each run at its own served steps' measured / predicted speed per "
+        "phase, and host time between steps from its step log",
+    )
+    fidelity.add_argument(
+        "--group",
+        action="store_true",
+        help="the files repeat the same sweeps: medians per label and rate, beside the "
+        "measured runs' own spread",
+    )
+    fidelity.add_argument(
+        "--isolated",
+        type=Path,
+        help="also compare the isolated latencies of this isolated.json with the profile",
+    )
+
+    paper = studies.add_parser(
+        "paper",
+        help="the Bullet paper's setting: A100-80GB, Llama-3.1-8B, its three workloads",
+        description="A100-80GB, Llama-3.1-8B, three workloads at Poisson 10 to 25 req/s, the "
+        "paper's SLOs; Bullet against chunked prefill (1024 and 2048) and prefill-first. "
+        "Prints markdown tables and writes one plot per workload.",
+    )
+    paper.add_argument("--out", type=Path, required=True, help="folder for sim-WORKLOAD.png")
+    paper.add_argument("--results", type=Path, help="also save each result JSON here")
+    paper.add_argument("--num-prompts", type=int, default=1000)
+    paper.add_argument("--workloads", default=",".join(PAPER_WORKLOADS))
+
+
+def _positive_rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(sorted(float(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 2,2.5,3; got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive; got {text!r}")
+    return rates
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    import importlib
+
+    from bulletserve.sched.slo import SLO
+    from bulletserve.sim.hardware import SimSetupError
+
+    if args.study == "capacity":
+        if (args.slo_ttft_per_token_ms is None) != (args.slo_tpot_ms is None):
+            raise CLIError("--slo-ttft-per-token-ms and --slo-tpot-ms go together")
+        args.slo = None
+        if args.slo_tpot_ms is not None:
+            args.slo = SLO(args.slo_ttft_per_token_ms, args.slo_tpot_ms, args.slo_ttft_base_ms)
+    study = importlib.import_module(f"bulletserve.sim.{args.study}")
+    try:
+        return study.from_args(args)
+    except (SimSetupError, FileNotFoundError) as exc:
+        raise CLIError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,6 +288,10 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.sim.benchmark import SimConfig, simulate
     from bulletserve.sim.hardware import SimSetupError
 
+    if args.study:
+        return _run_study(args)
+    if args.hardware is None or args.model is None:
+        raise CLIError("--hardware and --model are required")
     if args.num_prompts < 1 or args.tensor_parallel_size < 1:
         raise CLIError("--num-prompts and --tensor-parallel-size must be at least 1")
     if args.max_model_len is not None and args.max_model_len < 1:

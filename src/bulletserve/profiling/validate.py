@@ -1,6 +1,6 @@
 """Predicted vs measured step times on shapes not used for fitting (the docs benchmark).
 
-    python -m bulletserve.profiling.validate [--quick] [--out-dir docs]
+    bullet profile validate [--quick] [--repeats N] [--out-dir docs]
 
 Profiles this CPU with the embedded default model (as `bullet profile` does), measuring
 held-out prefill and decode shapes, alone and co-running, in the same rounds as the profile's
@@ -82,12 +82,8 @@ def errors(pred: list[float], meas: list[float]) -> dict[str, float]:
     return {"median": statistics.median(rel), "p90": float(np.percentile(rel, 90)), "max": rel[-1]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bulletserve.profiling.validate")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, help="measurement rounds (default: the plan's)")
-    parser.add_argument("--out-dir", type=Path, default=Path("docs"))
-    args = parser.parse_args(argv)
+def from_args(args: argparse.Namespace) -> int:
+    """`bullet profile validate`: writes perf-model.json and perf-model.png, prints the errors."""
     units = CpuThreads()
     model = load_model(resolve_model(None), torch.bfloat16, torch.device("cpu"), 4096)
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
@@ -191,7 +187,3 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,6 +11,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # A request body not wholly received this long after its headers is answered 408 (as the
 # headers have a deadline of their own, `server.launch.HEADER_TIMEOUT_S`).
 DEFAULT_BODY_TIMEOUT_S = 30.0
+STATS_INTERVAL_S = 10.0  # vLLM's: the periodic stats line while the engine is busy
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 from bulletserve.engine.client import EngineClient, EngineStats
+from bulletserve.server.settings import STATS_INTERVAL_S
 
 logger = logging.getLogger(__name__)
-
-STATS_INTERVAL_S = 10.0  # vLLM's
 
 
 @dataclass

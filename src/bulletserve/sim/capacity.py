@@ -1,9 +1,6 @@
-r"""Capacity at an SLO, simulated: for each workload and policy, the highest Poisson rate that
-keeps SLO attainment at or above a target (90% by default), and Bullet's rate over the best
-baseline's, on a modeled device (a preset or a measured profile).
-
-python -m bulletserve.sim.capacity --hardware a100-80g --model llama-3.1-8b \
-    --out docs/sim-capacity.png [--results GRIDS.json] [--seeds 0,1,2] [--workers 2]
+"""Capacity at an SLO, simulated (`bullet simulate capacity`): for each workload and policy,
+the highest Poisson rate that keeps SLO attainment at or above a target, and Bullet's rate over
+the best baseline's, on a modeled device (a preset or a measured profile).
 
 Each (workload, policy, seed) walks its rate grid upwards and stops after two rates in a row
 below the target; the attainment at a rate is the median over the seeds (a seed draws other
@@ -34,17 +31,9 @@ from bulletserve.sched import SchedulerConfig  # noqa: E402
 from bulletserve.sched.bullet import RULE_NAMES, BulletPolicy  # noqa: E402
 from bulletserve.sched.slo import SLO  # noqa: E402
 from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate_run  # noqa: E402
+from bulletserve.sim.defaults import CAPACITY_GRIDS, CAPACITY_TARGET  # noqa: E402
 from bulletserve.sim.hardware import SimSetupError  # noqa: E402
 
-TARGET = 0.9
-# Rate grids (req/s) from where every policy keeps 90% to past where each falls below it, on
-# the A100 preset with Llama-3.1-8B (2026-12-01: 25-30, 3.5-6 and 3-4.5 req/s).
-DEFAULT_GRIDS = {
-    "sharegpt-like": tuple(float(r) for r in range(20, 42, 2)),
-    "azure-code-like": tuple(r / 4 for r in range(12, 29)),
-    "arxiv-sum-like": tuple(r / 4 for r in range(10, 23)),
-}
-DEFAULT_POLICIES = ("bullet", "chunked-1024", "chunked-2048", "prefill-first")
 MISSES_BEFORE_STOP = 2
 
 
@@ -162,7 +151,7 @@ def median_attainment(walks: Iterable[dict[float, float]]) -> dict[float, float 
     return out
 
 
-def capacity(attained: dict[float, float | None], target: float = TARGET) -> float | None:
+def capacity(attained: dict[float, float | None], target: float = CAPACITY_TARGET) -> float | None:
     """The highest rate whose attainment, and that of every lower rate, is at least the target;
     None when the lowest rate already misses. None as an attainment is a miss."""
     best = None
@@ -217,7 +206,7 @@ def run(
     seeds: Sequence[int],
     num_prompts: int,
     grids: dict[str, tuple[float, ...]],
-    target: float = TARGET,
+    target: float = CAPACITY_TARGET,
     workers: int = 1,
     engine: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, dict[float, float | None]]]:
@@ -245,105 +234,22 @@ def run(
     return out
 
 
-def parse_rates(text: str) -> tuple[float, ...]:
-    try:
-        rates = tuple(sorted(float(x) for x in text.split(",") if x.strip()))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected rates like 2,2.5,3; got {text!r}") from None
-    if not rates or any(r <= 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be positive; got {text!r}")
-    return rates
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--hardware",
-        default="a100-80g",
-        help="a device preset (a100-80g, h100, h200, h20) or a profile JSON from `bullet profile`"
-        " (default: %(default)s)",
-    )
-    parser.add_argument("--model", default="llama-3.1-8b", help="(default: %(default)s)")
-    parser.add_argument(
-        "--workloads",
-        default=",".join(DEFAULT_GRIDS),
-        help="comma-separated dataset presets (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--policies",
-        default=",".join(DEFAULT_POLICIES),
-        help="comma-separated: bullet, chunked-N (N-token chunks), prefill-first, and "
-        "bullet-without-RULE[+RULE] ablations (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seeds", default="0,1,2", help="the attainment at a rate is their median (%(default)s)"
-    )
-    parser.add_argument(
-        "--num-prompts", type=int, default=1000, help="requests per run (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--rates", type=parse_rates, help="one grid for every workload (default: per workload)"
-    )
-    parser.add_argument(
-        "--target", type=float, default=TARGET, help="attainment to keep (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float16", "float32"),
-        help="(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="GPUs of one node the model is sharded over (default: %(default)s)",
-    )
-    parser.add_argument("--max-model-len", type=int, help="(default: the model's)")
-    parser.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=SchedulerConfig.max_num_seqs,
-        help="running requests at most, for every policy (default: %(default)s, as bullet "
-        "serve; vLLM's default on a GPU of 70 GiB or more other than an A100 is 1024)",
-    )
-    parser.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks (CPU profiles)")
-    parser.add_argument(
-        "--device-memory-gib", type=float, help="device memory of a profile the presets lack"
-    )
-    slo = parser.add_argument_group("SLOs (default: the paper's for the workload)")
-    slo.add_argument("--slo-ttft-per-token-ms", type=float, help="TTFT SLO per prompt token")
-    slo.add_argument(
-        "--slo-ttft-base-ms", type=float, default=0.0, help="a fixed part of the TTFT SLO (0)"
-    )
-    slo.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO")
-    parser.add_argument(
-        "--workers", type=int, default=1, help="processes running simulations (%(default)s)"
-    )
-    parser.add_argument("--out", type=Path, help="the plot (PNG)")
-    parser.add_argument("--results", type=Path, help="the attainment grids (JSON)")
-    args = parser.parse_args(argv)
+def from_args(args: argparse.Namespace) -> int:
+    """`bullet simulate capacity`: the grids, a table per workload, the plot and the JSON."""
     workloads = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in workloads if args.rates is None and w not in DEFAULT_GRIDS]
+    unknown = [w for w in workloads if args.rates is None and w not in CAPACITY_GRIDS]
     if unknown:
-        parser.error(f"--workloads: no default rate grid for {unknown}; give --rates")
+        raise SimSetupError(f"--workloads: no default rate grid for {unknown}; give --rates")
     try:
         policies = [p for p in args.policies.split(",") if p]
         for label in policies:
             policy_settings(label)
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError as err:
-        parser.error(f"--policies/--seeds: {err}")
-    if (args.slo_ttft_per_token_ms is None) != (args.slo_tpot_ms is None):
-        parser.error("--slo-ttft-per-token-ms and --slo-tpot-ms go together")
-    custom_slo = None
-    if args.slo_tpot_ms is not None:
-        custom_slo = SLO(args.slo_ttft_per_token_ms, args.slo_tpot_ms, args.slo_ttft_base_ms)
-    if args.slo_tpot_ms is None and any(dataset_family(w) is None for w in workloads):
-        parser.error("--workloads: without --slo-* flags, sharegpt, azure or arxiv (their SLOs)")
+        raise SimSetupError(f"--policies/--seeds: {err}") from None
+    custom_slo = args.slo
+    if custom_slo is None and any(dataset_family(w) is None for w in workloads):
+        raise SimSetupError("--workloads: without --slo-* flags, sharegpt, azure or arxiv")
     engine = {
         "slo": custom_slo,
         "dtype": args.dtype,
@@ -353,11 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "device_memory_gib": args.device_memory_gib,
         "max_num_seqs": args.max_num_seqs,
     }
-    grids = {w: args.rates or DEFAULT_GRIDS[w] for w in workloads}
-    try:  # the hardware, model and KV pool, checked once here rather than in every worker
-        setup(SimConfig(hardware=args.hardware, model=args.model, **engine))
-    except SimSetupError as err:
-        parser.error(str(err))
+    grids = {w: args.rates or CAPACITY_GRIDS[w] for w in workloads}
+    setup(SimConfig(hardware=args.hardware, model=args.model, **engine))  # checked once here
     start = time.perf_counter()
     results = run(
         args.hardware,
@@ -411,7 +314,3 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.results.write_text(json.dumps(payload, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,8 +2,7 @@
 and print mean TTFT, mean TPOT, throughput and SLO attainment side by side: the first three
 differ by a ratio (target 15%), attainment by points (target 0.1).
 
-python -m bulletserve.sim.fidelity --profile PROFILE.json \\
-    --model smollm2-135m SWEEP/*.json [--out-dir DIR]
+bullet simulate fidelity --profile PROFILE.json --model smollm2-135m SWEEP/*.json [--out-dir DIR]
 
 Each measured run is replayed request for request: the same prompt lengths, output lengths (as
 measured, so early stops count) and arrival times, at the same SLOs. The policy comes from the
@@ -35,7 +34,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -47,16 +45,15 @@ from bulletserve.bench.records import BenchResult, RunResult, load_result
 from bulletserve.bookkeeping.record import StepRecord, read_step_log
 from bulletserve.perf.model import StepPrediction
 from bulletserve.perf.state import ExecutionState
-from bulletserve.sched import SchedulerConfig
 from bulletserve.sched.slo import SLO
 from bulletserve.sim.benchmark import (
-    DEFAULT_NOISE,
     SimConfig,
     make_sim_policy,
     setup,
     simulate_requests,
 )
 from bulletserve.sim.device import CachedPerfModel
+from bulletserve.sim.hardware import SimSetupError
 from bulletserve.sim.request import SimRequest
 
 TARGET = 0.15  # relative, for the latency and throughput figures
@@ -179,7 +176,7 @@ def runs_of(step_log: Path) -> list[list[StepRecord]]:
     try:
         steps = sorted(read_step_log(step_log), key=lambda s: s.time)
     except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+        raise SimSetupError(str(exc)) from None
     segments: list[list[StepRecord]] = [[]]
     for step in steps:
         if segments[-1] and step.time - segments[-1][-1].time > RUN_GAP_S:
@@ -299,7 +296,7 @@ def simulate_like(
         rates = sorted(run.request_rate for run in result.runs)
         logged = runs_of(speed_from.parent / f"{result.label}.steps.jsonl")
         if len(logged) != len(rates):
-            raise SystemExit(f"{speed_from}: {len(rates)} runs, {len(logged)} in its step log")
+            raise SimSetupError(f"{speed_from}: {len(rates)} runs, {len(logged)} in its step log")
         served_steps = dict(zip(rates, logged, strict=True))
     runs = []
     for run in result.runs:
@@ -494,71 +491,19 @@ def grouped_table(paths: list[Path], base: SimConfig, policy: str | None, per_ro
     return worst
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("measured", nargs="+", type=Path, help="bullet bench result files")
-    parser.add_argument("--profile", help="the `bullet profile` JSON of the device")
-    parser.add_argument(
-        "--profile-per-run",
-        action="store_true",
-        help="replay each run on the profile taken right before it (LABEL.rate-R.profile.json "
-        "beside the result file: scripts/bench_lanes_cpu.py --profile-each-run)",
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="model preset or config.json")
-    parser.add_argument("--policy", help="the served policy, when labels do not say")
-    parser.add_argument("--chunked-prefill-size", type=int)
-    parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
-    )
-    parser.add_argument("--num-gpu-blocks-override", type=int)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--noise", type=float, default=DEFAULT_NOISE)
-    parser.add_argument("--out-dir", type=Path, help="save the simulated results here")
-    parser.add_argument(
-        "--slowdown",
-        type=float,
-        default=1.0,
-        help="what-if: every predicted step this many times slower (serving vs the profile)",
-    )
-    parser.add_argument(
-        "--step-overhead-ms",
-        type=float,
-        help="what-if: the host's time per step, in place of the profile's",
-    )
-    parser.add_argument(
-        "--host-ms-per-row",
-        type=float,
-        default=0.0,
-        help="what-if: host time per batch row added to every step (see HostTaxedPerfModel)",
-    )
-    parser.add_argument(
-        "--served-speed",
-        action="store_true",
-        help="diagnostic: each run at its served steps' own measured / predicted speed (above)",
-    )
-    parser.add_argument(
-        "--group",
-        action="store_true",
-        help="the files repeat the same sweeps: compare medians per label and rate (see above)",
-    )
-    parser.add_argument(
-        "--isolated",
-        type=Path,
-        help="also compare the isolated latencies of this isolated.json with the profile",
-    )
-    args = parser.parse_args(argv)
+def from_args(args: argparse.Namespace) -> int:
+    """`bullet simulate fidelity`: the tables; exit status 1 where a figure misses its target."""
     if args.profile_per_run:
         if args.profile or args.group or args.isolated or args.slowdown != 1.0:
-            parser.error("--profile-per-run takes no --profile, --group, --isolated or --slowdown")
+            raise SimSetupError(
+                "--profile-per-run takes no --profile, --group, --isolated or --slowdown"
+            )
         if args.step_overhead_ms is not None:
-            parser.error("--profile-per-run takes no --step-overhead-ms")
+            raise SimSetupError("--profile-per-run takes no --step-overhead-ms")
     elif not args.profile:
-        parser.error("--profile is required (or --profile-per-run)")
+        raise SimSetupError("--profile is required (or --profile-per-run)")
     if args.served_speed and (args.group or args.host_ms_per_row or args.slowdown != 1.0):
-        parser.error("--served-speed takes no --group, --host-ms-per-row or --slowdown")
+        raise SimSetupError("--served-speed takes no --group, --host-ms-per-row or --slowdown")
     if args.isolated:
         isolated_table(args.isolated, args.profile, args.model, args.dtype)
         print()
@@ -594,7 +539,3 @@ def main(argv: list[str] | None = None) -> int:
     if profile != args.profile:
         Path(profile).unlink()
     return 0 if worst <= 1 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 10 to 25 req/s, 1000 requests, the paper's SLOs; Bullet against chunked prefill (1024 and 2048)
 and prefill-first. Prints markdown tables and writes one plot per workload.
 
-python -m bulletserve.sim.paper --out docs [--results DIR] [--num-prompts 1000]
+bullet simulate paper --out docs [--results DIR] [--num-prompts 1000]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from bulletserve.bench.records import BenchResult  # noqa: E402
 from bulletserve.bench.report import lookup  # noqa: E402
 from bulletserve.sim.benchmark import SimConfig, simulate  # noqa: E402
 
-WORKLOADS = ("sharegpt-like", "azure-code-like", "arxiv-sum-like")
 RATES = (10.0, 12.5, 15.0, 17.5, 20.0, 22.5, 25.0)
 POLICIES: tuple[tuple[str, int | None], ...] = (
     ("bullet", None),
@@ -119,13 +118,8 @@ def plot(results: Sequence[BenchResult], dataset: str, path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, required=True, help="folder for docs/sim-*.png")
-    parser.add_argument("--results", type=Path, help="also save each result JSON here")
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    args = parser.parse_args(argv)
+def from_args(args: argparse.Namespace) -> int:
+    """`bullet simulate paper`: a table and a plot per workload."""
     if args.results:
         args.results.mkdir(parents=True, exist_ok=True)
     for dataset in args.workloads.split(","):
@@ -138,7 +132,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {plot(results, dataset, args.out / f'sim-{dataset}.png')}")
         print(f"(simulated in {time.perf_counter() - start:.0f} s)")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
