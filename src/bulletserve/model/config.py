@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,36 +143,6 @@ class ModelConfig:
     @classmethod
     def from_json_file(cls, path: Path) -> ModelConfig:
         return cls.from_hf_dict(json.loads(Path(path).read_text()))
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A Hugging Face style `config.json` dictionary that round-trips through from_hf_dict."""
-        arch = {
-            "llama": "LlamaForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM",
-        }
-        scaling = None
-        if self.rope_scaling.rope_type != "default":
-            scaling = asdict(self.rope_scaling)
-        return {
-            "architectures": [arch[self.family]],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": scaling,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-        }
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -56,10 +56,6 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.preempted
-
 
 class Policy(Protocol):
     name: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bulletserve.perf.model import Corrections, PerfModel
-from bulletserve.sched.base import PlanBuilder, ScheduledSeq, SchedulerSnapshot, SeqView
+from bulletserve.sched.base import PlanBuilder, SchedulerSnapshot, SeqView
 from bulletserve.sched.bullet.estimates import Estimator
 from bulletserve.sched.bullet.params import BulletParams, DeviceTraits
 from bulletserve.sched.bullet.rules import RULES, Rule, Situation, choose, fused_rows
@@ -129,18 +129,6 @@ class BulletPolicy:
         situation = self.situation(snap, batch, step, bool(plan.scheduled), est)
         choice = choose(situation, self.rules)
         return BulletPlan(choice.split, decode=plan.scheduled, preempted=plan.preempted)
-
-    def choose_split(
-        self,
-        snap: BulletSnapshot,
-        prefill_batch: tuple[SeqView, ...],
-        step: PrefillStep | None,
-        decode: tuple[ScheduledSeq, ...] | None = None,
-    ) -> Split:
-        """The split for the prefill lane running `step` of `prefill_batch` beside `decode`
-        (None: every decoding request)."""
-        has_decode = bool(snap.decoding) if decode is None else bool(decode)
-        return choose(self.situation(snap, prefill_batch, step, has_decode), self.rules).split
 
     def situation(
         self,
