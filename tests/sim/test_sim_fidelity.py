@@ -115,21 +115,6 @@ def test_policy_from_label():
         policy_of("vllm")
 
 
-def test_what_if_profile_scales_every_alpha_and_sets_the_overhead():
-    source = FIXTURES / "cpu-profile.json"
-    original = json.loads(source.read_text())
-    path = Path(fidelity.what_if_profile(str(source), 1.5, 6.0))
-    scaled = json.loads(path.read_text())
-    path.unlink()
-    assert scaled["step_overhead_s"] == pytest.approx(0.006)
-    for phase, per_units in original["calibration"]["alpha"].items():
-        for units, points in per_units.items():
-            for (x, alpha), (x2, alpha2) in zip(
-                points, scaled["calibration"]["alpha"][phase][units], strict=True
-            ):
-                assert x2 == x and alpha2 == pytest.approx(1.5 * alpha)
-
-
 def test_isolated_table_sets_each_request_beside_its_lone_prefill(capsys):
     from bulletserve.model.presets import get_preset
     from bulletserve.perf.hardware import HardwareProfile

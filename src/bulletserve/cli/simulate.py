@@ -205,23 +205,6 @@ def _add_studies(studies: argparse._SubParsersAction) -> None:
     fidelity.add_argument("--noise", type=float, default=DEFAULT_NOISE)
     fidelity.add_argument("--out-dir", type=Path, help="save the simulated results here")
     fidelity.add_argument(
-        "--slowdown",
-        type=float,
-        default=1.0,
-        help="what-if: every predicted step this many times slower (serving vs the profile)",
-    )
-    fidelity.add_argument(
-        "--step-overhead-ms",
-        type=float,
-        help="what-if: the host's time per step, in place of the profile's",
-    )
-    fidelity.add_argument(
-        "--host-ms-per-row",
-        type=float,
-        default=0.0,
-        help="what-if: host time per batch row added to every step (see HostTaxedPerfModel)",
-    )
-    fidelity.add_argument(
         "--served-speed",
         action="store_true",
         help="diagnostic: each run at its own served steps' measured / predicted speed per "

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -185,22 +183,6 @@ def runs_of(step_log: Path) -> list[list[StepRecord]]:
     return [s for s in segments if len(s) >= MIN_RUN_STEPS]
 
 
-class HostTaxedPerfModel(CachedPerfModel):
-    """What-if: every step also costs `per_row_s` of host time per batch row (sampling,
-    detokenization, streaming, and a client on the same cores), on top of the profile's."""
-
-    def __init__(self, perf: CachedPerfModel, per_row_s: float) -> None:
-        super().__init__(perf.cfg, perf.hw, perf.dtype)
-        self.per_row_s = per_row_s
-
-    def uncorrected(self, es: ExecutionState) -> StepPrediction:
-        base = super().uncorrected(es)
-        return StepPrediction(
-            prefill_s=base.prefill_s + self.per_row_s * len(es.prefill_lens),
-            decode_s=base.decode_s + self.per_row_s * len(es.decode_ctx),
-        )
-
-
 @dataclass(frozen=True)
 class ServedSpeed:
     """How fast a served run went, from its step log: per phase, the median measured /
@@ -282,7 +264,6 @@ def simulate_like(
     result: BenchResult,
     base: SimConfig,
     policy: str | None,
-    host_ms_per_row: float = 0.0,
     path: Path | None = None,
     speed_from: Path | None = None,
 ) -> BenchResult:
@@ -320,8 +301,6 @@ def simulate_like(
                 config, num_gpu_blocks_override=tokens // config.block_size + len(requests) + 1
             )
         env = setup(config)
-        if host_ms_per_row:
-            env = replace(env, perf=HostTaxedPerfModel(env.perf, host_ms_per_row / 1e3))
         if served_steps:
             speed = served_speed(served_steps[run.request_rate], env.perf)
             host = (
@@ -361,7 +340,6 @@ def isolated_table(path: Path, profile: str, model: str, dtype: str) -> None:
     from bulletserve.model.presets import get_preset
     from bulletserve.perf.hardware import HardwareProfile
     from bulletserve.perf.model import PerfModel
-    from bulletserve.perf.state import ExecutionState
 
     hw = HardwareProfile.load(profile)
     perf = PerfModel(get_preset(model), hw, dtype)
@@ -385,27 +363,10 @@ def isolated_table(path: Path, profile: str, model: str, dtype: str) -> None:
     )
 
 
-def what_if_profile(path: str, slowdown: float, step_overhead_ms: float | None) -> str:
-    """A copy of the profile whose calibrated step times are `slowdown` times longer (every
-    alpha scaled) and, if given, whose per-step host overhead is `step_overhead_ms`."""
-    data = json.loads(Path(path).read_text())
-    for per_units in data["calibration"]["alpha"].values():
-        for points in per_units.values():
-            for point in points:
-                point[1] *= slowdown
-    if step_overhead_ms is not None:
-        data["step_overhead_s"] = step_overhead_ms / 1e3
-    handle, name = tempfile.mkstemp(suffix=".json", prefix="what-if-profile-")
-    with os.fdopen(handle, "w") as f:
-        json.dump(data, f)
-    return name
-
-
 def per_run_table(
     paths: list[Path],
     base: SimConfig,
     policy: str | None,
-    per_row: float,
     out_dir: Path | None,
     profile_per_run: bool = False,
     speed: bool = False,
@@ -420,7 +381,6 @@ def per_run_table(
             result,
             base,
             policy,
-            per_row,
             path if profile_per_run else None,
             path if speed else None,
         )
@@ -441,7 +401,7 @@ def per_run_table(
     return worst
 
 
-def grouped_table(paths: list[Path], base: SimConfig, policy: str | None, per_row: float) -> float:
+def grouped_table(paths: list[Path], base: SimConfig, policy: str | None) -> float:
     """The --group comparison; returns the largest difference of medians."""
     # (label, rate, metric) -> measured values, simulated values
     figures: dict[tuple[str, float, Metric], tuple[list[float], list[float]]] = defaultdict(
@@ -450,7 +410,7 @@ def grouped_table(paths: list[Path], base: SimConfig, policy: str | None, per_ro
     for path in paths:
         result = load_result(path)
         label = result.label.split()[0]
-        simulated = simulate_like(result, base, policy, per_row)
+        simulated = simulate_like(result, base, policy)
         for measured_run, sim_run in zip(result.runs, simulated.runs, strict=True):
             for metric, m, s, _ in compare(measured_run, sim_run):
                 measured, sims = figures[(label, measured_run.request_rate, metric)]
@@ -494,24 +454,17 @@ def grouped_table(paths: list[Path], base: SimConfig, policy: str | None, per_ro
 def from_args(args: argparse.Namespace) -> int:
     """`bullet simulate fidelity`: the tables; exit status 1 where a figure misses its target."""
     if args.profile_per_run:
-        if args.profile or args.group or args.isolated or args.slowdown != 1.0:
-            raise SimSetupError(
-                "--profile-per-run takes no --profile, --group, --isolated or --slowdown"
-            )
-        if args.step_overhead_ms is not None:
-            raise SimSetupError("--profile-per-run takes no --step-overhead-ms")
+        if args.profile or args.group or args.isolated:
+            raise SimSetupError("--profile-per-run takes no --profile, --group or --isolated")
     elif not args.profile:
         raise SimSetupError("--profile is required (or --profile-per-run)")
-    if args.served_speed and (args.group or args.host_ms_per_row or args.slowdown != 1.0):
-        raise SimSetupError("--served-speed takes no --group, --host-ms-per-row or --slowdown")
+    if args.served_speed and args.group:
+        raise SimSetupError("--served-speed takes no --group")
     if args.isolated:
         isolated_table(args.isolated, args.profile, args.model, args.dtype)
         print()
-    profile = args.profile
-    if args.slowdown != 1.0 or args.step_overhead_ms is not None:
-        profile = what_if_profile(args.profile, args.slowdown, args.step_overhead_ms)
     base = SimConfig(
-        hardware=profile,
+        hardware=args.profile,
         model=args.model,
         chunked_prefill_size=args.chunked_prefill_size,
         dtype=args.dtype,
@@ -521,13 +474,12 @@ def from_args(args: argparse.Namespace) -> int:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
     )
     if args.group:
-        worst = grouped_table(args.measured, base, args.policy, args.host_ms_per_row)
+        worst = grouped_table(args.measured, base, args.policy)
     else:
         worst = per_run_table(
             args.measured,
             base,
             args.policy,
-            args.host_ms_per_row,
             args.out_dir,
             args.profile_per_run,
             args.served_speed,
@@ -536,6 +488,4 @@ def from_args(args: argparse.Namespace) -> int:
         f"largest difference {worst:.2f}x its target (targets: {TARGET:.0%} for latency and "
         f"throughput, {ATTAINMENT_TARGET} for SLO attainment; ** marks misses)"
     )
-    if profile != args.profile:
-        Path(profile).unlink()
     return 0 if worst <= 1 else 1
