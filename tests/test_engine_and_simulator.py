@@ -14,7 +14,7 @@ from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.perf.hardware import HardwareProfile
-from bulletserve.sched.slo import SLO
+from bulletserve.sched.slo import SLO, ServiceClass
 from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate_requests
 from bulletserve.sim.clock import VirtualClock
 from bulletserve.sim.device import CachedPerfModel, Noise
@@ -44,7 +44,19 @@ def _requests(count: int, rate: float, seed: int) -> list[tuple[str, float, list
     return out
 
 
-def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests, kv_blocks=None):
+# A mixed workload: every third request interactive (first in the queue, tight targets), the
+# rest batch (loose targets).
+INTERACTIVE = ServiceClass(0, SLO(1.0, 8.0, 10.0), "interactive")
+BATCH = ServiceClass(1, SLO(10.0, 80.0, 100.0), "batch")
+
+
+def _services(count: int) -> list[ServiceClass]:
+    return [INTERACTIVE if i % 3 == 0 else BATCH for i in range(count)]
+
+
+def _engine_steps(
+    model_dir, tmp_path, profile, policy, partition, requests, kv_blocks=None, services=None
+):
     profile_path = tmp_path / "profile.json"
     profile.save(profile_path)
     log = tmp_path / "engine.steps.jsonl"
@@ -64,6 +76,7 @@ def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests, kv_
         max_num_batched_tokens=512,
         cpu_warmup_rows=0,
         step_log=str(log),
+        scheduling_policy="priority" if services else "fcfs",
     )
     if kv_blocks is not None:  # a pool that small makes the policies preempt
         per_token = load_model_config(str(model_dir / "config.json")).kv_bytes_per_token(4)
@@ -71,11 +84,12 @@ def _engine_steps(model_dir, tmp_path, profile, policy, partition, requests, kv_
     perf = CachedPerfModel(load_model_config(str(model_dir / "config.json")), profile, "float32")
     clock = VirtualClock(perf, Noise(0.0, 0))
     engine = create_engine(config, clock)
+    services = services or [ServiceClass()] * len(requests)
     try:
         if policy == "bullet":
-            _drive_lanes(engine, clock, requests)
+            _drive_lanes(engine, clock, requests, services)
         else:
-            _drive_one_lane(engine, clock, requests)
+            _drive_one_lane(engine, clock, requests, services)
     finally:
         engine.close()
     return read_step_log(log), engine
@@ -85,15 +99,17 @@ def _params(output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
 
 
-def _drive_lanes(engine, clock, requests) -> None:
+def _drive_lanes(engine, clock, requests, services) -> None:
     """Each request added at its arrival; the lanes run on the clock until all are done."""
     clock.enter("driver")
     try:
         engine.step()  # starts the lane threads
         clock.await_threads(3)
-        for request_id, arrival, prompt, output_len in requests:
+        for (request_id, arrival, prompt, output_len), service in zip(
+            requests, services, strict=True
+        ):
             clock.sleep_until(arrival)
-            engine.add_request(prompt, _params(output_len), request_id, clock.now())
+            engine.add_request(prompt, _params(output_len), request_id, clock.now(), service)
         while engine.has_unfinished() and clock.now() < 600:
             clock.sleep_until(clock.now() + 0.25)
             engine.step()
@@ -101,23 +117,24 @@ def _drive_lanes(engine, clock, requests) -> None:
         clock.leave()
 
 
-def _drive_one_lane(engine, clock, requests) -> None:
+def _drive_one_lane(engine, clock, requests, services) -> None:
     """As the simulator's single lane: arrivals up to now, a step; nothing to run, the next
     arrival."""
-    pending = list(requests)
+    pending = list(zip(requests, services, strict=True))
     while pending or engine.has_unfinished():
-        while pending and pending[0][1] <= clock.now():
-            request_id, arrival, prompt, output_len = pending.pop(0)
-            engine.add_request(prompt, _params(output_len), request_id, arrival)
+        while pending and pending[0][0][1] <= clock.now():
+            (request_id, arrival, prompt, output_len), service = pending.pop(0)
+            engine.add_request(prompt, _params(output_len), request_id, arrival, service)
         before = clock.now()
         engine.step()
         if clock.now() == before:
             assert pending, "the engine stalled"
-            clock.time = pending[0][1]
+            clock.time = pending[0][0][1]
 
 
-def _sim_config(profile_path, policy, partition, model_dir, num_blocks):
+def _sim_config(profile_path, policy, partition, model_dir, num_blocks, mixed=False):
     return SimConfig(
+        scheduling_policy="priority" if mixed else "fcfs",
         hardware=str(profile_path),
         model=str(model_dir / "config.json"),
         policy=policy,
@@ -133,13 +150,18 @@ def _sim_config(profile_path, policy, partition, model_dir, num_blocks):
     )
 
 
-def _sim_steps(tmp_path, profile, policy, partition, requests, model_dir, num_blocks):
+def _sim_steps(
+    tmp_path, profile, policy, partition, requests, model_dir, num_blocks, services=None
+):
     profile_path = tmp_path / "profile.json"
-    config = _sim_config(profile_path, policy, partition, model_dir, num_blocks)
+    config = _sim_config(profile_path, policy, partition, model_dir, num_blocks, bool(services))
     env = setup(config)
+    services = services or [ServiceClass(slo=SLO_MS)] * len(requests)
     sim_requests = [
-        SimRequest(request_id, i, arrival, len(prompt), output_len)
-        for i, (request_id, arrival, prompt, output_len) in enumerate(requests)
+        SimRequest(request_id, i, arrival, len(prompt), output_len, priority=s.priority, slo=s.slo)
+        for i, ((request_id, arrival, prompt, output_len), s) in enumerate(
+            zip(requests, services, strict=True)
+        )
     ]
     log = tmp_path / "sim.steps.jsonl"
     with log.open("w") as handle:
@@ -192,4 +214,20 @@ def test_they_preempt_alike_when_the_kv_pool_runs_out(tiny_llama_dir, tmp_path, 
     )
     assert engine.pool.num_blocks == 16 and engine.num_preemptions > 0
     sim = _sim_steps(tmp_path, hw, policy, "auto", requests, tiny_llama_dir, 16)
+    assert _decisions(steps) == _decisions(sim)
+
+
+@pytest.mark.parametrize("policy", ["bullet", "chunked", "prefill-first"])
+def test_they_decide_alike_for_a_mixed_workload(tiny_llama_dir, tmp_path, policy):
+    """Priorities order the queue and choose whom to preempt, each request's SLO is its own:
+    the engine and the simulator still take the same steps, in a pool small enough to
+    preempt."""
+    requests = _requests(24, rate=12.0, seed=5)
+    services = _services(len(requests))
+    hw = PROFILES["sharing"]
+    steps, engine = _engine_steps(
+        tiny_llama_dir, tmp_path, hw, policy, "auto", requests, kv_blocks=16, services=services
+    )
+    assert engine.num_preemptions > 0
+    sim = _sim_steps(tmp_path, hw, policy, "auto", requests, tiny_llama_dir, 16, services)
     assert _decisions(steps) == _decisions(sim)

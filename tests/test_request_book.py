@@ -23,6 +23,7 @@ class Entry:
     num_preemptions: int = 0
     skips_prefix_cache: bool = False
     prefix_root: int = 0
+    priority: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -30,6 +31,20 @@ class Entry:
 
     def view(self) -> SeqView:
         return SeqView(self.request_id, 0.0, self.num_tokens, self.num_computed_tokens, 0)
+
+
+def test_the_queue_orders_by_priority_and_preempted_requests_lead_their_priority():
+    book: RequestBook[Entry] = RequestBook(BlockAllocator(64), BLOCK)
+    entries = {name: Entry(name, 4, priority=p) for name, p in (("a", 1), ("b", 0), ("c", 1))}
+    entries["d"] = Entry("d", 4, priority=-1)
+    for name in "abcd":
+        book.enqueue(entries[name])
+    assert [e.request_id for e in book.waiting] == ["d", "b", "a", "c"]
+    book.admit(("d", "a"))
+    book.preempt(["a", "d"])  # each back at the front of its priority
+    assert [e.request_id for e in book.waiting] == ["d", "b", "a", "c"]
+    book.enqueue(Entry("e", 4, priority=0))
+    assert [e.request_id for e in book.waiting] == ["d", "b", "e", "a", "c"]
 
 
 def test_admission_preemption_and_finishing_keep_the_queues_in_order():

@@ -93,7 +93,7 @@ def snapshots(draw, hw) -> BulletSnapshot:
             batch = (dataclasses.replace(first, num_computed_tokens=done),)
         prefill = PrefillInFlight(batch, layers_done, draw(st.booleans()))
     ttft = draw(st.none() | st.floats(0.05, 3.0))  # P90 TTFT over its SLO
-    tpot = draw(st.none() | st.floats(0.01, 0.5))
+    tpot = draw(st.none() | st.floats(0.05, 3.0))  # P90 TPOT over its SLO
     counts = UnitSpace(hw.units, hw.unit_granularity, hw.min_units).counts()
     current = draw(st.sampled_from(counts))
     return BulletSnapshot(
@@ -139,14 +139,18 @@ def test_plans_are_valid(name):
                 need = sum(-(-s.num_tokens // BLOCK) for s in admitted)
                 assert need <= snap.free_blocks
                 assert len(admitted) + len(snap.decoding) <= snap.max_num_seqs
-                # An at-risk request is never passed over by one that is not at risk.
-                risky = [s for s in snap.waiting if policy.estimator().at_risk(s, snap.now)]
+                # An at-risk request that can still make its deadline is never passed over by
+                # one that is not at risk (one past its deadline waits behind both).
+                est = policy.estimator()
+                risky = [
+                    s
+                    for s in snap.waiting
+                    if est.at_risk(s, snap.now) and not est.past_deadline(s, snap.now)
+                ]
                 if risky:
-                    assert any(policy.estimator().at_risk(s, snap.now) for s in admitted)
+                    assert any(est.at_risk(s, snap.now) for s in admitted)
                     passed = [s for s in risky if s.request_id not in step.admitted]
-                    assert (
-                        all(policy.estimator().at_risk(s, snap.now) for s in admitted) or not passed
-                    )
+                    assert all(est.at_risk(s, snap.now) for s in admitted) or not passed
         total = policy.units.total
         batch = snap.prefill.requests if snap.prefill else ()
         if step is not None and step.admitted:
@@ -193,7 +197,7 @@ def test_at_risk_request_goes_first_and_short_ones_otherwise():
     policy = POLICIES["h100"]
     fresh_long = SeqView("long", 99.99, 3000, 0, 0)
     fresh_short = SeqView("short", 99.99, 100, 0, 0)
-    late = SeqView("late", 90.0, 2000, 0, 0)  # waited 10 s on a 6 s budget
+    late = SeqView("late", 95.0, 2000, 0, 0)  # waited 5 s on a 6 s budget
     snap = BulletSnapshot(
         100.0,
         (fresh_long, fresh_short, late),
@@ -238,7 +242,7 @@ def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill(
 
     for prompt in (2000, 64):  # a long prefill, and one much shorter than the decode step
         waiting = (SeqView("w", 99.9, prompt, 0, 0),)
-        stats = LatencyStats(1e-3, 0.05)
+        stats = LatencyStats(1e-3, 0.05 / 0.15)
         snap = BulletSnapshot(
             100.0,
             waiting,
@@ -278,7 +282,7 @@ def test_cpu_time_slices_where_co_running_is_zero_sum():
     ) -> BulletSnapshot:
         waiting = (SeqView("w", 100.0 - waited_s, prompt, 0, 0),)
         half = Split(total // 2, total // 2, "balance")
-        stats = LatencyStats(p90_ttft, p90_tpot_s)
+        stats = LatencyStats(p90_ttft, p90_tpot_s / 0.15)
         return BulletSnapshot(100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, stats, half)
 
     zero_sum = make_policy(dataclasses.replace(CPU, bandwidth_saturation_units=2), fuse=False)
@@ -316,7 +320,7 @@ def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
     assert prefill_alone / side.prefill_s + decode_alone / side.decode_s > 1
     waiting = (SeqView("w", 100.0, 1024, 0, 0),)
     snap = BulletSnapshot(
-        100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, LatencyStats(0.5, 0.05),
+        100.0, waiting, None, decoding, 10_000, BLOCK, 64, 16384, LatencyStats(0.5, 0.05 / 0.15),
         Split(2, 0, "turns"),
     )  # fmt: skip
     assert policy.plan_prefill(snap).split == Split(1, 1, "decode-fewest")
@@ -340,7 +344,7 @@ def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_spee
 
     def snap(waited_s: float) -> BulletSnapshot:
         waiting = (SeqView("w", 100.0 - waited_s, 256, 0, 0),)
-        stats = LatencyStats(1.5, 0.2)  # TTFT and TPOT both missing: the lanes would share
+        stats = LatencyStats(1.5, 0.2 / 0.15)  # TTFT and TPOT both missing: the lanes would share
         return BulletSnapshot(
             100.0,
             waiting,
@@ -378,7 +382,7 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
     def snap(free_blocks: int = 10_000, prefill=None) -> BulletSnapshot:
         # TPOT over its SLO while TTFT holds: where the lanes take turns, the policy sizes
         # steps itself only then (else it runs chunked prefill's plan, rule chunked-plan).
-        stats = LatencyStats(0.5, 0.2)
+        stats = LatencyStats(0.5, 0.2 / 0.15)
         queue = () if prefill else waiting
         return BulletSnapshot(
             100.0,
@@ -442,7 +446,7 @@ def test_gpu_fuses_a_prefill_into_the_decode_step_only_within_a_tpot():
     def snap(prompt: int, rows: int = 64, context: int = 1001, prefill=None) -> BulletSnapshot:
         decoding = tuple(SeqView(f"d{i}", 0.0, context, context - 1, 63) for i in range(rows))
         waiting = () if prefill else (SeqView("w", 99.99, prompt, 0, 0),)
-        stats = LatencyStats(0.5, 0.05)
+        stats = LatencyStats(0.5, 0.05 / 0.15)
         return BulletSnapshot(
             100.0,
             waiting,
@@ -521,7 +525,7 @@ def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_for_late_prompt
             Split(66, 66, "decode-fewest"),
         )
 
-    in_time = snap(LatencyStats(0.5, 0.02))
+    in_time = snap(LatencyStats(0.5, 0.02 / 0.03))
     batch = policy._form_batch(in_time, policy.estimator())
     assert len(batch) > 2 and policy.estimator().fused_step(batch, None, rows).seconds > budget
     plan = policy.plan_prefill(in_time)
@@ -531,12 +535,12 @@ def test_a_fused_step_fills_its_tpot_budget_and_outlasts_it_only_for_late_prompt
     assert policy.estimator().fused_step(batch[:taken], None, rows).seconds <= budget
     assert policy.estimator().fused_step(batch[: taken + 1], None, rows).seconds > budget
 
-    late = policy.plan_prefill(snap(LatencyStats(1.5, 0.02)))
+    late = policy.plan_prefill(snap(LatencyStats(1.5, 0.02 / 0.03)))
     assert late.split == Split(132, 0, "fused-ttft-first")
     assert late.prefill.admitted == tuple(s.request_id for s in batch)
     assert len(late.prefill.decode) == 64
-    assert policy.plan_decode(snap(LatencyStats(1.5, 0.02))).split.rule == "fused-ttft-first"
-    tpot_missing = policy.plan_prefill(snap(LatencyStats(1.5, 0.04)))
+    assert policy.plan_decode(snap(LatencyStats(1.5, 0.02 / 0.03))).split.rule == "fused-ttft-first"
+    tpot_missing = policy.plan_prefill(snap(LatencyStats(1.5, 0.04 / 0.03)))
     assert tpot_missing.split.rule == "fused" and len(tpot_missing.prefill.admitted) == taken
 
 
@@ -548,7 +552,7 @@ def test_tpot_over_its_slo_never_starves_an_at_risk_prompt():
 
     def snap(total: int, waited_s: float) -> BulletSnapshot:
         waiting = (SeqView("w", 100.0 - waited_s, 40, 0, 0),)
-        stats = LatencyStats(0.5, 0.2)  # recent first tokens in time; TPOT over its 150 ms
+        stats = LatencyStats(0.5, 0.2 / 0.15)  # recent first tokens in time; TPOT over its 150 ms
         return BulletSnapshot(
             100.0,
             waiting,
@@ -613,8 +617,10 @@ def test_the_window_counts_ttft_at_the_first_token():
     window = LatencyWindow(SLO(1.0, 100.0), size=64)
     window.first_token(0.2, 100)  # twice its 100 ms SLO, while the request still decodes
     assert window.stats() == LatencyStats(p90_ttft_over_slo=pytest.approx(2.0))
-    window.finished(0.05)
-    assert window.stats().p90_tpot_s == pytest.approx(0.05)
+    window.finished(0.05)  # half its 100 ms SLO
+    assert window.stats().p90_tpot_over_slo == pytest.approx(0.5)
+    window.finished(0.3, SLO(1.0, 200.0))  # a request with targets of its own
+    assert window.stats().p90_tpot_over_slo == pytest.approx(1.5)
 
 
 def test_static_and_none_partitions():
@@ -675,8 +681,8 @@ def _decoding(count: int, context: int = 300) -> tuple[SeqView, ...]:
 
 
 PROMPT = (SeqView("w", 100.0, 256, 0, 0),)
-HOLDING = LatencyStats(0.5, 0.05)  # P90 TTFT within its SLO, P90 TPOT within its 150 ms
-TPOT_MISSING = LatencyStats(0.5, 0.2)  # P90 TTFT within its SLO, P90 TPOT over it
+HOLDING = LatencyStats(0.5, 0.05 / 0.15)  # P90 TTFT within its SLO, P90 TPOT within its 150 ms
+TPOT_MISSING = LatencyStats(0.5, 0.2 / 0.15)  # P90 TTFT within its SLO, P90 TPOT over it
 # Each rule, on a policy and a snapshot where it is the first of the table to fire.
 RULE_CASES = {
     "none": (make_policy(CPU, partition="none"), _rule_snapshot(PROMPT, _decoding(4), HOLDING)),
@@ -695,7 +701,7 @@ RULE_CASES = {
         _rule_snapshot(
             tuple(SeqView(f"w{i}", 0.0, n, 0, 0) for i, n in enumerate((200, 400, 400, 400))),
             _decoding(64, 1001),
-            LatencyStats(1.5, 0.02),
+            LatencyStats(1.5, 0.02 / 0.03),
             waited_s=0.01,
             seats=256,
         ),
@@ -714,12 +720,12 @@ RULE_CASES = {
     ),
     "balance": (
         POLICIES["h100-no-fuse"],
-        _rule_snapshot(PROMPT, _decoding(32, 1000), LatencyStats(1.5, 0.3)),
+        _rule_snapshot(PROMPT, _decoding(32, 1000), LatencyStats(1.5, 0.3 / 0.15)),
     ),
     "decode-fewest": (POLICIES["h100-no-fuse"], _rule_snapshot(PROMPT, _decoding(32), HOLDING)),
     "decode-grows": (
         POLICIES["h100-no-fuse"],
-        _rule_snapshot(PROMPT, _decoding(32, 1000), LatencyStats(0.5, 0.3)),
+        _rule_snapshot(PROMPT, _decoding(32, 1000), LatencyStats(0.5, 0.3 / 0.15)),
     ),
 }
 
@@ -768,3 +774,29 @@ def test_the_policy_predicts_with_the_snapshot_s_corrections():
     slow = dataclasses.replace(snap, corrections=Corrections(decode=3.0))
     assert policy.plan_prefill(snap).split.rule == "decode-fewest"
     assert policy.plan_prefill(slow).split.decode > policy.plan_prefill(snap).split.decode
+
+
+def test_each_request_is_held_to_its_own_slo_and_the_queue_to_priorities():
+    """A request's own TTFT target decides when it is at risk (earliest deadline first among
+    those at risk), the tightest TPOT target of the decoding requests sizes the decode lane's
+    budget, a prompt that would miss its target even if it started now waits behind those
+    that can still make theirs, and priorities order the queue before all of that."""
+    policy = POLICIES["h100"]  # the server's SLO: 3 ms a prompt token, TPOT 150 ms
+    est = policy.estimator()
+    tight = SLO(0.5, 40.0)  # 250 ms for a prompt of 500 tokens
+    assert est.at_risk(SeqView("tight", 99.8, 500, 0, 0, slo=tight), 100.0)
+    assert not est.at_risk(SeqView("default", 99.8, 500, 0, 0), 100.0)
+    decoding = (SeqView("d0", 0.0, 300, 299, 19, slo=tight), SeqView("d1", 0.0, 300, 299, 19))
+    assert policy.estimator(decoding=decoding).tpot_budget_s == pytest.approx(0.04 * 0.8)
+    assert policy.estimator(decoding=decoding[1:]).tpot_budget_s == pytest.approx(0.15 * 0.8)
+    waiting = (
+        SeqView("lost", 98.0, 500, 0, 0),  # 2 s of its 1.5 s passed
+        SeqView("late-default", 98.8, 500, 0, 0),  # at risk: deadline 100.3
+        SeqView("late-tight", 99.82, 500, 0, 0, slo=tight),  # at risk: deadline 100.07
+        SeqView("short", 100.0, 50, 0, 0),
+        SeqView("first", 100.0, 900, 0, 0, priority=-1),
+    )
+    assert est.past_deadline(waiting[0], 100.0) and not est.past_deadline(waiting[2], 100.0)
+    snap = dataclasses.replace(_rule_snapshot((), decoding, HOLDING), waiting=waiting)
+    order = [s.request_id for s in policy.order_waiting(snap)]
+    assert order == ["first", "late-tight", "late-default", "short", "lost"]

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from bulletserve.sched.base import SchedulerSnapshot, SeqView, StepPlan, blocks_needed
 from bulletserve.sched.chunked import ChunkedPolicy
 from bulletserve.sched.prefill_first import PrefillFirstPolicy
+from bulletserve.sched.slo import SLO
 
 BLOCK = 16
 
@@ -97,6 +98,25 @@ def test_out_of_blocks_preempts_the_newest_running_request():
     plan = ChunkedPolicy(512).plan(snapshot)
     assert plan.preempted == ("d2",)
     assert [s.request_id for s in plan.scheduled] == ["d0", "d1"]
+
+
+def test_out_of_blocks_preempts_the_lowest_priority_then_the_loosest_slo():
+    """Priorities first (lower keeps its blocks), then the tightest TPOT target; among equals
+    the newest goes first, as under FCFS."""
+    tight, loose = SLO(1.0, 50.0), SLO(10.0, 500.0)
+    running = (
+        SeqView("batch-old", 0, 33, 32, 2, priority=1, slo=loose),
+        SeqView("chat-loose", 1, 33, 32, 2, priority=0, slo=loose),
+        SeqView("chat-tight", 2, 33, 32, 2, priority=0, slo=tight),
+        SeqView("batch-new", 3, 33, 32, 2, priority=1, slo=loose),
+    )
+    for free, lost in ((0, ("batch-new", "batch-old")), (1, ("batch-new",))):
+        snapshot = SchedulerSnapshot(0.0, (), running, free, BLOCK, 8, 2048)
+        for policy in (ChunkedPolicy(512), PrefillFirstPolicy()):
+            plan = policy.plan(snapshot)
+            assert plan.preempted == lost
+    snapshot = SchedulerSnapshot(0.0, (), running[1:3], 1, BLOCK, 8, 2048)
+    assert ChunkedPolicy(512).plan(snapshot).preempted == ("chat-loose",)
 
 
 def test_policies_import_without_torch():

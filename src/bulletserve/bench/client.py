@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from bulletserve.bench.classes import WorkloadClass
 from bulletserve.bench.records import RequestRecord
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -43,6 +44,10 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = False
     temperature: float | None = None  # None: the server's default
+    # A mixed workload's requests name their class's priority and SLO class (the server's
+    # --scheduling-policy priority and --slo-class).
+    send_priority: bool = False
+    send_slo: bool = False
 
     @property
     def url(self) -> str:
@@ -52,7 +57,9 @@ class Target:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def payload(self, prompt: str, max_tokens: int) -> dict:
+    def payload(
+        self, prompt: str, max_tokens: int, workload_class: WorkloadClass | None = None
+    ) -> dict:
         body: dict = {
             "model": self.model,
             "max_tokens": max_tokens,
@@ -68,6 +75,10 @@ class Target:
             body["ignore_eos"] = True
         if self.temperature is not None:
             body["temperature"] = self.temperature
+        if workload_class is not None and self.send_priority:
+            body["priority"] = workload_class.priority
+        if workload_class is not None and self.send_slo:
+            body["slo"] = workload_class.name
         return body
 
 
@@ -104,6 +115,7 @@ async def send_request(
     record: RequestRecord,
     count_tokens: Callable[[str], int],
     clock_origin: float,
+    workload_class: WorkloadClass | None = None,
 ) -> None:
     """Send one streaming request and fill in `record` (success, times, output length, error)."""
     text_parts: list[str] = []
@@ -113,7 +125,7 @@ async def send_request(
     record.start_s = start - clock_origin
     try:
         async with client.stream(
-            "POST", target.url, json=target.payload(prompt, record.max_tokens),
+            "POST", target.url, json=target.payload(prompt, record.max_tokens, workload_class),
             headers=target.headers,
         ) as response:  # fmt: skip
             if response.status_code != 200:

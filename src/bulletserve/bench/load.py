@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
+from bulletserve.bench.classes import WorkloadClass
 from bulletserve.bench.client import Target, send_request
 from bulletserve.bench.datasets import WorkloadRequest
 from bulletserve.bench.metrics import summarize
@@ -37,26 +38,37 @@ async def run_level(
     slo: SLO | None = None,
     goodput_ms: dict[str, float] | None = None,
     progress: bool = True,
+    classes: Sequence[WorkloadClass] = (),
 ) -> RunResult:
-    """Send every request at its arrival time (seconds from now) and wait for all of them."""
+    """Send every request at its arrival time (seconds from now) and wait for all of them.
+    `classes`: a mixed workload's class of each request (empty: one SLO for all)."""
     semaphore = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None
     bar = tqdm(total=len(workload), desc=f"rate {level.request_rate:g}", disable=not progress)
     records = [
         RequestRecord(index=i, input_len=w.input_len, max_tokens=w.output_len, arrival_s=t)
         for i, (w, t) in enumerate(zip(workload, arrivals, strict=True))
     ]
+    class_of = list(classes) or [None] * len(records)
+    for record, workload_class in zip(records, class_of, strict=True):
+        record.slo_class = workload_class.name if workload_class else None
     origin = time.perf_counter()
 
-    async def one(request: WorkloadRequest, record: RequestRecord) -> None:
+    async def one(
+        request: WorkloadRequest, record: RequestRecord, workload_class: WorkloadClass | None
+    ) -> None:
         delay = origin + record.arrival_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         async with semaphore or contextlib.nullcontext():
-            await send_request(client, target, request.prompt, record, count_tokens, origin)
+            await send_request(
+                client, target, request.prompt, record, count_tokens, origin, workload_class
+            )
         bar.update(1)
 
     try:
-        await asyncio.gather(*(one(w, r) for w, r in zip(workload, records, strict=True)))
+        await asyncio.gather(
+            *(one(w, r, c) for w, r, c in zip(workload, records, class_of, strict=True))
+        )
     finally:
         bar.close()
     duration = time.perf_counter() - origin
@@ -65,6 +77,11 @@ async def run_level(
         burstiness=level.burstiness,
         max_concurrency=level.max_concurrency,
         duration_s=duration,
-        summary=summarize(records, duration, slo, goodput_ms),
+        summary=summarize(records, duration, slo, goodput_ms, _distinct(classes)),
         requests=records,
     )
+
+
+def _distinct(classes: Sequence[WorkloadClass]) -> list[WorkloadClass]:
+    """The classes of a run, each once, in the order they first come."""
+    return list(dict.fromkeys(classes))

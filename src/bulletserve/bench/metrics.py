@@ -9,7 +9,9 @@
   standard deviation, in milliseconds. An empty set gives null (vLLM prints 0).
 - Goodput: successful requests per second whose TTFT, TPOT and E2EL all meet the given SLOs.
 - SLO attainment (Bullet): the share of all sent requests (failed ones count as misses) whose
-  normalized TTFT (TTFT / input tokens) and TPOT both meet their SLOs.
+  normalized TTFT (TTFT / input tokens) and TPOT both meet their SLOs. In a mixed workload each
+  request is held to its class's SLO: attainment and goodput (requests a second that met it)
+  per class, and over all requests.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from bulletserve.bench.classes import WorkloadClass
 from bulletserve.bench.records import RequestRecord
 from bulletserve.sched.slo import SLO
 
@@ -53,8 +56,10 @@ def summarize(
     duration_s: float,
     slo: SLO | None = None,
     goodput_ms: dict[str, float] | None = None,
+    classes: Sequence[WorkloadClass] = (),
 ) -> dict[str, Any]:
-    """The run summary written to JSON and printed as the table."""
+    """The run summary written to JSON and printed as the table. With `classes`, each record
+    is scored against its class's SLO (`slo` is then not used)."""
     done = [r for r in records if r.success]
     failed = [r for r in records if not r.success]
     tpots = [t for t in (tpot_s(r) for r in done) if t is not None]
@@ -81,9 +86,31 @@ def summarize(
         good = sum(1 for r in done if _meets_goodput(r, goodput_ms))
         summary["goodput_slo_ms"] = dict(goodput_ms)
         summary["request_goodput"] = good / duration_s
-    if slo is not None:
+    if classes:
+        summary["classes"] = {c.name: class_summary(records, c, duration_s) for c in classes}
+        met = sum(score["met"] for score in summary["classes"].values())
+        summary["slo"] = {
+            "mixed": True,
+            "met": met,
+            "attainment": met / len(records) if records else None,
+            "goodput": met / duration_s,
+        }
+    elif slo is not None:
         summary["slo"] = attainment(records, slo)
     return summary
+
+
+def class_summary(
+    records: Sequence[RequestRecord], workload_class: WorkloadClass, duration_s: float
+) -> dict[str, Any]:
+    """One class's attainment at its own SLO, its goodput, and its share and priority."""
+    mine = [r for r in records if r.slo_class == workload_class.name]
+    score = attainment(mine, workload_class.slo)
+    return score | {
+        "requests": len(mine),
+        "goodput": score["met"] / duration_s,
+        "priority": workload_class.priority,
+    }
 
 
 def _meets_goodput(record: RequestRecord, goodput_ms: dict[str, float]) -> bool:

@@ -35,6 +35,7 @@ class RequestRecord:
     token_times_s: list[float] = field(default_factory=list)
     success: bool = False
     error: str | None = None
+    slo_class: str | None = None  # its class in a mixed workload (--service-class)
 
     @property
     def itls_s(self) -> list[float]:

@@ -87,7 +87,20 @@ def summary_table(run: RunResult, simulated: bool = False) -> str:
         short = key.split("_")[0].upper()
         for stat in ("mean", "median", "p90", "p99", "std"):
             row(f"{stat.capitalize()} {short} (ms):", s[key][stat])
-    if "slo" in s:
+    if "classes" in s:
+        lines.append("SLO attainment per class".center(_WIDTH, "-"))
+        for name, score in s["classes"].items():
+            attained = score["attainment"]
+            lines.append(
+                f"  {name} ({score['requests']} requests, TTFT {score['ttft_per_token_ms']:g} "
+                f"ms/token, TPOT {score['tpot_ms']:g} ms, priority {score['priority']}): "
+                + ("-" if attained is None else f"{100 * attained:.1f}%")
+                + f", goodput {score['goodput']:.2f} req/s"
+            )
+        attained = s["slo"]["attainment"]
+        row("SLO attainment, all (%):", None if attained is None else 100.0 * attained)
+        row("Goodput, all (req/s):", s["slo"]["goodput"])
+    elif "slo" in s:
         slo = s["slo"]
         base = slo.get("ttft_base_ms") or 0.0
         per_token = f"{slo['ttft_per_token_ms']:g} ms/token"

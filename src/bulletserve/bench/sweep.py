@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 from transformers import PreTrainedTokenizerBase
 
 from bulletserve.bench.arrivals import arrival_times, trace_arrival_times
+from bulletserve.bench.classes import WorkloadClass, assign_classes
 from bulletserve.bench.client import Target, list_models, make_client
 from bulletserve.bench.datasets import RandomLengths, WorkloadRequest, load_workload
 from bulletserve.bench.load import LoadLevel, run_level
@@ -39,6 +40,11 @@ class BenchConfig:
     trace_arrivals: bool = False
     slo: SLO | None = None
     goodput_ms: dict[str, float] | None = None
+    # A mixed workload: its classes (shares of the requests, each its SLO and priority), and
+    # whether requests send their class's priority and SLO class name.
+    service_classes: tuple[WorkloadClass, ...] = ()
+    send_priority: bool = False
+    send_slo: bool = False
     label: str | None = None
     api_key: str | None = field(default=None, repr=False)
     request_timeout_s: float = 600.0
@@ -74,6 +80,13 @@ async def run_benchmark(
             config.api_key,
             config.ignore_eos,
             config.temperature,
+            config.send_priority,
+            config.send_slo,
+        )
+        classes = (
+            assign_classes(len(workload), list(config.service_classes), config.seed)
+            if config.service_classes
+            else []
         )
 
         def count_tokens(text: str) -> int:
@@ -92,6 +105,7 @@ async def run_benchmark(
                 config.slo,
                 config.goodput_ms,
                 progress,
+                classes,
             )
             runs.append(run)
             if on_run:

@@ -22,6 +22,7 @@ class BookEntry(Protocol):
     block_table: list[int]
     num_preemptions: int
     num_cached_tokens: int  # prompt tokens found in the prefix cache at first admission
+    priority: int  # lower runs first (0 for every request under FCFS)
 
     @property
     def num_tokens(self) -> int: ...  # prompt plus output so far
@@ -44,7 +45,8 @@ E = TypeVar("E", bound=BookEntry)
 
 
 class RequestBook(Generic[E]):
-    """`waiting`: in queue order, preempted requests first. `running`: admitted and not finished,
+    """`waiting`: in queue order (by priority, lower first; within one, preempted requests first,
+    then by arrival). `running`: admitted and not finished,
     in admission order. `busy`: requests a step is computing now; their blocks are freed only
     when that step has ended (`release_blocks` skips them until then), so no kernel writes into
     memory handed to another request."""
@@ -67,6 +69,16 @@ class RequestBook(Generic[E]):
         self.prefix_queries = 0
         self.prefix_hits = 0
 
+    def enqueue(self, request: E) -> None:
+        """A new request joins the queue behind every waiting request of its priority or a
+        higher one (a lower value)."""
+        waiting = self.waiting
+        if not waiting or waiting[-1].priority <= request.priority:
+            waiting.append(request)
+            return
+        place = next(i for i, r in enumerate(waiting) if r.priority > request.priority)
+        waiting.insert(place, request)
+
     def take_waiting(self, request_ids: Iterable[str]) -> list[E]:
         """Take these requests out of the queue, in queue order, each starting from the blocks of
         its longest cached prefix (shared, their tokens counted as computed)."""
@@ -86,8 +98,8 @@ class RequestBook(Generic[E]):
         return admitted
 
     def preempt(self, request_ids: Iterable[str]) -> list[E]:
-        """Send these running requests back to the front of the queue, oldest first, their
-        blocks freed and their KV to be recomputed."""
+        """Send these running requests back to the front of their priority's place in the
+        queue, oldest first, their blocks freed and their KV to be recomputed."""
         ids = set(request_ids)
         preempted = [r for r in self.running if r.request_id in ids]
         for request in preempted:
@@ -96,7 +108,12 @@ class RequestBook(Generic[E]):
             request.num_computed_tokens = 0
             request.num_preemptions += 1
             self.num_preemptions += 1
-        self.waiting.extendleft(reversed(preempted))
+        for request in reversed(preempted):
+            place = next(
+                (i for i, r in enumerate(self.waiting) if r.priority >= request.priority),
+                len(self.waiting),
+            )
+            self.waiting.insert(place, request)
         return preempted
 
     def grow_blocks(self, request: E, num_tokens: int) -> None:

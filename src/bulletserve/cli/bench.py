@@ -148,12 +148,54 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         metavar="KEY:MS",
         help="goodput SLOs, e.g. ttft:500 tpot:50 e2el:10000",
     )
+    add_service_class_args(slo)
 
     out = parser.add_argument_group("output")
     out.add_argument("--label", help="name of this run in tables and plots")
     out.add_argument("--output", type=Path, metavar="RESULT.json")
     out.add_argument("--plot", type=Path, metavar="DIR")
     out.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def add_service_class_args(group: argparse._ActionsContainer) -> None:
+    """A mixed workload's classes, as `bullet bench` and `bullet simulate` take them."""
+    group.add_argument(
+        "--service-class",
+        action="append",
+        default=[],
+        metavar="NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[:PRIORITY]",
+        help="a class of a mixed workload (repeatable; the shares sum to 1): its share of the "
+        "requests, drawn by --seed, each scored at the class's SLO, per class and over all "
+        "(in place of the --slo-* flags)",
+    )
+    group.add_argument(
+        "--send-priority",
+        action="store_true",
+        help="each request asks for its class's priority (a server started with "
+        "--scheduling-policy priority)",
+    )
+    group.add_argument(
+        "--send-slo",
+        action="store_true",
+        help="each request names its class in `slo` (a bulletserve server started with "
+        "--slo-class NAME=TTFT_PER_TOKEN_MS,TPOT_MS for each class)",
+    )
+
+
+def service_classes(args: argparse.Namespace) -> tuple:
+    """The --service-class flags, checked (CLIError naming the flag)."""
+    from bulletserve.bench.classes import check_classes, parse_workload_class
+
+    if not args.service_class:
+        if args.send_priority or args.send_slo:
+            raise CLIError("--send-priority and --send-slo need --service-class")
+        return ()
+    try:
+        classes = [parse_workload_class(text) for text in args.service_class]
+        check_classes(classes)
+    except ValueError as exc:
+        raise CLIError(f"--service-class: {exc}") from None
+    return tuple(classes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -246,6 +288,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         trace_arrivals=args.trace_arrivals,
         slo=_slo(args),
         goodput_ms=_goodput(args.goodput),
+        service_classes=service_classes(args),
+        send_priority=args.send_priority,
+        send_slo=args.send_slo,
         label=args.label,
         api_key=args.api_key,
         request_timeout_s=args.request_timeout,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bulletserve.cli import CLIError
 from bulletserve.engine.config import EngineConfig, add_engine_args
+from bulletserve.sched.slo import parse_slo_class
 from bulletserve.server.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -83,6 +84,14 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         action="store_true",
         help="no periodic line of throughput, queues and KV cache usage (vLLM's; by default "
         f"one every {STATS_INTERVAL_S:g} s while the engine is busy)",
+    )
+    server.add_argument(
+        "--slo-class",
+        action="append",
+        default=[],
+        metavar="NAME=TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS]",
+        help="an SLO class a request may name in its `slo` field (repeatable); `default` is "
+        "the --slo-* flags' (requests that name none)",
     )
     server.add_argument(
         "--chat-template",
@@ -166,6 +175,10 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.data_parallel_size < 1:
         raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    try:
+        args.slo_classes = dict(parse_slo_class(text) for text in args.slo_class)
+    except ValueError as exc:
+        raise CLIError(f"--slo-class: {exc}") from None
     if args.data_parallel_size > 1 and args.distributed_executor_backend != "ray":
         raise CLIError(
             "--data-parallel-size runs its replicas on Ray: add --distributed-executor-backend ray"
@@ -206,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         log_requests=args.enable_log_requests,
         log_stats_interval_s=0.0 if args.disable_log_stats else STATS_INTERVAL_S,
+        scheduling_policy=config.scheduling_policy,
+        slo_classes={"default": config.slo, **args.slo_classes},
     )
     app = build_app(engine, settings)
     server = make_server(

@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from bulletserve.cli import CLIError
+from bulletserve.cli.bench import add_service_class_args, service_classes
 from bulletserve.engine.config import add_scheduler_args, policy_of
 from bulletserve.sched import SchedulerConfig
 from bulletserve.sim.defaults import (
@@ -78,7 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         default=DEFAULT_NOISE,
         help="log-normal sigma of per-step time noise (0: exact predictions)",
     )
-    _add_slo_args(parser.add_argument_group("SLOs (default: the paper's for the dataset)"))
+    slo = parser.add_argument_group("SLOs (default: the paper's for the dataset)")
+    _add_slo_args(slo)
+    add_service_class_args(slo)
 
     out = parser.add_argument_group("output")
     out.add_argument("--label", help="name of this run in tables and plots")
@@ -306,6 +309,9 @@ def run(args: argparse.Namespace) -> int:
             device_memory_gib=args.device_memory_gib,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             device_slowdown=args.device_slowdown,
+            service_classes=service_classes(args),
+            send_priority=args.send_priority,
+            send_slo=args.send_slo,
             label=args.label,
         )
     except ValueError as exc:

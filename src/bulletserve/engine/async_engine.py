@@ -20,6 +20,7 @@ from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.sched.slo import ServiceClass
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        service: ServiceClass = ServiceClass(),
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput after every step that advanced the request, the last one
         finished. ValueError (bad input) is raised before the first yield."""
@@ -114,7 +116,9 @@ class AsyncEngine:
             # Checked after registering: a fault from here on reaches this stream.
             if not self.healthy:
                 raise EngineDeadError(f"the engine has failed: {self.error!r}")
-            self.engine.add_request(prompt, params, request_id, arrival_time or time.monotonic())
+            self.engine.add_request(
+                prompt, params, request_id, arrival_time or time.monotonic(), service
+            )
             self._wake.set()
             while not finished:
                 item = await stream.queue.get()

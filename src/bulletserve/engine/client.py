@@ -9,6 +9,7 @@ router read of a running engine; `EngineClient` is the interface the server is w
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +25,7 @@ from bulletserve.engine.structured import GrammarCompiler, GrammarState
 from bulletserve.model.loader import load_config
 from bulletserve.model.source import ModelSource, resolve_model
 from bulletserve.model.tokenizer import load_tokenizer, stop_token_ids
+from bulletserve.sched.slo import ServiceClass
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +152,8 @@ class EngineStats:
     # Step kind (prefill, fused, decode) -> (predicted, measured) seconds, each a running mean
     # of recent steps: how well the performance model knows the device (bullet only).
     step_times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # SLO class (`ServiceClass.name`) -> requests of it waiting.
+    waiting_by_class: dict[str, int] = field(default_factory=dict)
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(
@@ -163,6 +167,7 @@ class EngineStats:
             self.prefix_cache_hits + other.prefix_cache_hits,
             self.prompt_tokens + other.prompt_tokens,
             self.generation_tokens + other.generation_tokens,
+            waiting_by_class=dict(Counter(self.waiting_by_class) + Counter(other.waiting_by_class)),
         )
 
 
@@ -193,6 +198,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        service: ServiceClass = ServiceClass(),
     ) -> AsyncIterator[RequestOutput]: ...
 
     def end_streams(self, message: str) -> None: ...

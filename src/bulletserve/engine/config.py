@@ -8,6 +8,7 @@ from pathlib import Path
 
 from bulletserve.model.source import LOAD_FORMATS
 from bulletserve.sched import POLICIES, SLO, SchedulerConfig
+from bulletserve.sched.base import SCHEDULING_POLICIES
 
 # How long the engine waits, after a step's outputs went to the server's event loop, for the
 # loop to have written them out before it computes the next step (`AsyncEngine._deliver`,
@@ -111,6 +112,13 @@ def add_scheduler_args(
     with its defaults; returns the group of Bullet's own flags."""
     default = {f.name: f.default for f in fields(SchedulerConfig)}
     group.add_argument("--policy", default=default["policy"], choices=POLICIES)
+    group.add_argument(
+        "--scheduling-policy",
+        default=default["scheduling_policy"],
+        choices=SCHEDULING_POLICIES,
+        help="vLLM's: fcfs, or priority (a request's `priority` field, lower first, orders the "
+        "queue, and the lowest-priority running request is preempted first)",
+    )
     group.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,

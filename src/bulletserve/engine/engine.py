@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -41,6 +42,7 @@ from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import TeamThread
 from bulletserve.sched.base import Policy
+from bulletserve.sched.slo import ServiceClass
 
 if TYPE_CHECKING:
     from bulletserve.sched.bullet import BulletPolicy
@@ -204,8 +206,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        service: ServiceClass = ServiceClass(),
     ) -> str:
-        """Queue a request; raises ValueError for bad input before anything is queued."""
+        """Queue a request; raises ValueError for bad input before anything is queued.
+        `service`: its priority and SLO (None: the server's, `--slo-*`)."""
+        if service.priority and self.config.scheduling_policy == "fcfs":
+            raise ValueError(
+                f"priority {service.priority}: priorities need --scheduling-policy priority"
+            )
         if params.n != 1:
             raise ValueError(
                 f"n={params.n}: a request is one sequence; LLM.generate and the server run a "
@@ -224,6 +232,7 @@ class LLMEngine:
             | (frozenset() if params.ignore_eos else self.eos_token_ids),
             grammar=grammar,
             bad_words_ids=bad_words_ids,
+            service=replace(service, slo=service.slo or self.config.slo),
         )
         if params.seed is not None:
             request.generator = self.sampler.new_request_generator(params.seed)
@@ -306,6 +315,7 @@ class LLMEngine:
             generation_tokens=self.life.generation_tokens,
             lane_units=self.lane_units(),
             step_times=self.executor.step_times(),
+            waiting_by_class=dict(Counter(r.service.name for r in waiting)),
         )
 
     def close(self) -> None:

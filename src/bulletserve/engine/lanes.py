@@ -267,7 +267,8 @@ class Lanes:
             if request.state is RequestState.FINISHED and t.first_token is not None:
                 outputs = len(request.output_token_ids)
                 self.core.window.finished(
-                    (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None
+                    (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None,
+                    request.service.slo,
                 )
             self._emit(self.life.output(request))
 
@@ -440,7 +441,9 @@ class Lanes:
         for request in ended.joined:
             if not request.output_token_ids:  # not a recomputation after preemption
                 ttft = now - request.timings.arrival
-                self.core.window.first_token(ttft, len(request.prompt_token_ids))
+                self.core.window.first_token(
+                    ttft, len(request.prompt_token_ids), request.service.slo
+                )
         tokens = (sampled[row_of[work]] for work in ended.rows)
         self._hand_over(zip(ended.sampled, tokens, strict=True))
 

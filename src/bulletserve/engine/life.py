@@ -66,7 +66,8 @@ class RequestLife:
     def take_in(self) -> list[RequestOutput]:
         """Queue the requests that came in; finish the aborted ones (their outputs)."""
         with self._lock:
-            self.book.waiting.extend(self._inbox)
+            for request in self._inbox:
+                self.book.enqueue(request)
             self._inbox.clear()
             aborts = list(self._aborts)
             self._aborts.clear()

@@ -12,6 +12,7 @@ from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.sched.slo import ServiceClass
 
 Prompt = str | list[int]
 
@@ -38,10 +39,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in the order of `prompts`, its `outputs` the prompt's n
         sequences (`SamplingParams.n`, each an engine request of its own; the first's fields
-        are also the output's own). A bad prompt raises before any request runs."""
+        are also the output's own). `priority`: per prompt, lower first (vLLM's; needs
+        `scheduling_policy="priority"`). A bad prompt raises before any request runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -53,11 +56,21 @@ class LLM:
             param_list = list(sampling_params)
         if len(param_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
+        if any(priorities) and self.engine.config.scheduling_policy == "fcfs":
+            raise ValueError("priorities need LLM(..., scheduling_policy='priority')")
         for prompt in prompts:
             self.engine.check_prompt(self.engine.tokenize(prompt))
         ids = [
-            [self.engine.add_request(prompt, params.for_choice(k)) for k in range(params.n)]
-            for prompt, params in zip(prompts, param_list, strict=True)
+            [
+                self.engine.add_request(
+                    prompt, params.for_choice(k), service=ServiceClass(priority=rank)
+                )
+                for k in range(params.n)
+            ]
+            for prompt, params, rank in zip(prompts, param_list, priorities, strict=True)
         ]
         group_of = {i: g for g, group in enumerate(ids) for i in group}
         left = [len(group) for group in ids]  # per prompt, its sequences still running

@@ -9,6 +9,7 @@ from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarState
 from bulletserve.kv.allocator import salt_root
 from bulletserve.sched.base import SeqView
+from bulletserve.sched.slo import ServiceClass
 
 
 class RequestState(enum.Enum):
@@ -64,6 +65,7 @@ class Request:
     # With `params.prompt_logprobs`: per prompt position from 1, its logprob once computed.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prefix_root: int = field(init=False, default=0)  # its prefix keys' root (its cache salt's)
+    service: ServiceClass = ServiceClass()  # its priority and SLO (the server's filled in)
 
     def __post_init__(self) -> None:
         self.prefix_root = salt_root(self.params.cache_salt)
@@ -109,6 +111,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
+    @property
+    def priority(self) -> int:
+        return self.service.priority
+
     def view(self) -> SeqView:
         """The request as a policy sees it."""
         return SeqView(
@@ -117,6 +123,8 @@ class Request:
             self.num_tokens,
             self.num_computed_tokens,
             len(self.block_table),
+            priority=self.service.priority,
+            slo=self.service.slo,
         )
 
 

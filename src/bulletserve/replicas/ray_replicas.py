@@ -25,6 +25,7 @@ from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.partition import usable_cores
 from bulletserve.replicas.router import NoReplicaError, ReplicaLoad, Router, prefix_key
+from bulletserve.sched.slo import ServiceClass
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,13 @@ class ReplicaActor:
         return True
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        service: ServiceClass,
     ) -> AsyncIterator[RequestOutput]:
-        async for output in self.engine.generate(prompt_ids, params, request_id):
+        async for output in self.engine.generate(prompt_ids, params, request_id, None, service):
             yield output
 
     def stats(self) -> EngineStats:
@@ -195,13 +200,14 @@ class RayReplicas:
         params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        service: ServiceClass = ServiceClass(),
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs from the replica the router chose. A replica that dies before
         the request's first output hands it to another (nothing has reached the client yet)."""
         prompt_ids = self.front.tokenize(prompt)
         self.front.check_prompt(prompt_ids)
         for _ in self._replicas:
-            index, replica, stream = self._send(prompt_ids, params, request_id)
+            index, replica, stream = self._send(prompt_ids, params, request_id, service)
             waiting, finished = True, False
             try:
                 async for ref in stream:
@@ -230,7 +236,11 @@ class RayReplicas:
         raise EngineDeadError("every replica has died")
 
     def _send(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        service: ServiceClass,
     ) -> tuple[int, _Replica, Any]:
         """Route the request and start it there: (replica index, replica, its output stream)."""
         with self._lock:
@@ -244,7 +254,7 @@ class RayReplicas:
             replica.waiting_tokens += len(prompt_ids)
             replica.open_streams += 1
             stream = replica.actor.generate.options(num_returns="streaming").remote(
-                prompt_ids, params, request_id
+                prompt_ids, params, request_id, service
             )
             self._streams[request_id] = stream
         return index, replica, stream

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from bulletserve.sched.config import POLICIES, PolicyName, SchedulerConfig, make_policy
-from bulletserve.sched.slo import SLO
+from bulletserve.sched.slo import SLO, ServiceClass
 
-__all__ = ["POLICIES", "SLO", "PolicyName", "SchedulerConfig", "make_policy"]
+__all__ = ["POLICIES", "SLO", "PolicyName", "SchedulerConfig", "ServiceClass", "make_policy"]

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
+
+from bulletserve.sched.slo import SLO
+
+# vLLM's --scheduling-policy: first come first served, or by each request's `priority` (lower
+# first, then arrival).
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -18,6 +25,8 @@ class SeqView:
     # Of those, blocks another request holds too (a shared cached prefix): preempting this
     # request does not free them.
     num_shared_blocks: int = 0
+    priority: int = 0  # lower runs first; 0 for every request under FCFS
+    slo: SLO | None = None  # its own targets, or the server's (None: the server has none)
 
     @property
     def num_remaining(self) -> int:
@@ -63,6 +72,13 @@ class Policy(Protocol):
     def plan(self, snapshot: SchedulerSnapshot) -> StepPlan: ...
 
 
+def keep_order(seq: SeqView) -> tuple[float, float]:
+    """Which running requests keep their KV when blocks run out: the highest priority first,
+    then the tightest TPOT target. Sorting is stable, so among equals admission order decides
+    and the newest is preempted first."""
+    return (seq.priority, seq.slo.tpot_ms if seq.slo else 0.0)
+
+
 def blocks_needed(seq: SeqView, num_tokens: int, block_size: int) -> int:
     """Extra blocks `seq` needs to hold `num_tokens` more tokens."""
     total = seq.num_computed_tokens + num_tokens
@@ -87,12 +103,13 @@ class PlanBuilder:
         self.admitted: list[str] = []
 
     def schedule_running(self, chunk: bool) -> None:
-        """Schedule running requests oldest first; when blocks run out, preempt the newest.
+        """Schedule running requests in `keep_order`; when blocks run out, preempt from the
+        end of it (the newest, where priorities and SLOs are alike).
 
         With `chunk`, a request that is still prefilling gets as many tokens as the budget allows;
         without it, every running request is decoding and needs exactly one.
         """
-        running = list(self.snapshot.running)
+        running = sorted(self.snapshot.running, key=keep_order)
         self.budget.seqs -= len(running)
         while running:
             seq = running.pop(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from bulletserve.sched.base import Policy
+from bulletserve.sched.base import SCHEDULING_POLICIES, Policy, SchedulingPolicy
 from bulletserve.sched.bullet import BulletPolicy, UnitSpace, parse_partition
 from bulletserve.sched.chunked import ChunkedPolicy
 from bulletserve.sched.prefill_first import PrefillFirstPolicy
@@ -26,6 +26,7 @@ class SchedulerConfig:
     own settings (`partition`, `prefill_layers_per_step`, `fuse_decode`)."""
 
     policy: PolicyName = "chunked"
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's: fcfs, or by each request's priority
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     chunked_prefill_size: int | None = None  # default: max_num_batched_tokens
@@ -43,6 +44,10 @@ class SchedulerConfig:
                 _at_least_one(name, getattr(self, name))
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy must be fcfs or priority, not {self.scheduling_policy!r}"
+            )
         parse_partition(self.partition)
 
     @property

@@ -26,3 +26,38 @@ class SLO:
     @property
     def tpot_s(self) -> float:
         return self.tpot_ms / 1e3
+
+
+@dataclass(frozen=True)
+class ServiceClass:
+    """What one request is held to: its priority (lower runs first, vLLM's `priority`) and its
+    SLO, with its class's name for metrics and reports (a `--slo-class` of the server's;
+    "default": the server's own SLO; "custom": targets the request gave itself)."""
+
+    priority: int = 0
+    slo: SLO | None = None  # None: the server's
+    name: str = "default"
+
+
+def parse_slo_class(text: str) -> tuple[str, SLO]:
+    """`NAME=TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS]` -> (name, its SLO); ValueError saying
+    what is wrong."""
+    name, _, targets = text.partition("=")
+    try:
+        if not name or not targets:
+            raise ValueError
+        numbers = [float(x) for x in targets.split(",")]
+        if len(numbers) not in (2, 3):
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"expected NAME=TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS], not {text!r}"
+        ) from None
+    if not (numbers[0] > 0 and numbers[1] > 0 and (len(numbers) < 3 or numbers[2] >= 0)):
+        raise ValueError(f"{text!r}: the targets must be positive (the fixed part >= 0)")
+    if name in ("default", "custom"):
+        raise ValueError(
+            f"{text!r}: {name!r} is taken (default: the server's --slo-* flags; custom: a "
+            "request's own targets)"
+        )
+    return name, SLO(*numbers)

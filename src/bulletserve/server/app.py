@@ -62,7 +62,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         max_body_bytes=settings.max_request_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
-    metrics = ServerMetrics(engine, settings.served_model_name)
+    metrics = ServerMetrics(engine, settings.served_model_name, settings.slo_classes.get("default"))
     serving = Serving(engine, settings, metrics)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)

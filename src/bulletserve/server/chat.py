@@ -150,6 +150,7 @@ class ChatServing:
         mode = self.tool_mode(body)
         admission = serving.admit(body, width)
         try:
+            service = serving.service(body)
             structure = await serving.structure(body)
             prompt_ids = serving.truncated(body, await self.prompt_ids(body.messages, body))
             max_tokens = body.max_completion_tokens or body.max_tokens
@@ -161,7 +162,9 @@ class ChatServing:
         except BaseException:
             admission.release()
             raise
-        choices = [ChoiceWork(k, 0, prompt_ids, params.for_choice(k)) for k in range(width)]
+        choices = [
+            ChoiceWork(k, 0, prompt_ids, params.for_choice(k), service) for k in range(width)
+        ]
         last = body.messages[-1]
         echo = ""
         if body.echo and last.role == "assistant":

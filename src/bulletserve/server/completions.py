@@ -62,6 +62,7 @@ class CompletionServing:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs or 0)
         admission = serving.admit(body, width * len(prompts))
         try:
+            service = serving.service(body)
             structure = await serving.structure(body)
             choices, echoes = [], []
             for p, prompt in enumerate(prompts):
@@ -72,7 +73,8 @@ class CompletionServing:
                 )
                 echoes.append(_prompt_text(serving, prompt, ids, body) if body.echo else "")
                 choices += [
-                    ChoiceWork(p * width + k, p, ids, params.for_choice(k)) for k in range(width)
+                    ChoiceWork(p * width + k, p, ids, params.for_choice(k), service)
+                    for k in range(width)
                 ]
         except BaseException:
             admission.release()

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from bulletserve.engine.client import EngineClient
 from bulletserve.engine.request import RequestOutput
+from bulletserve.sched.slo import SLO, ServiceClass
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -54,6 +55,14 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
+        by_class = GaugeMetricFamily(
+            "bullet:num_requests_waiting_by_slo_class",
+            "Requests waiting to be scheduled, per SLO class.",
+            labels=["model_name", "slo_class"],
+        )
+        for name, count in sorted(stats.waiting_by_class.items()):
+            by_class.add_metric([self.model_name, name], count)
+        yield by_class
         for name, documentation, value in (
             (
                 "bullet:num_preemptions",
@@ -137,7 +146,9 @@ class _VLLMAliases(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(
+        self, engine: EngineClient, model_name: str, default_slo: SLO | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineCollector(engine, model_name))
@@ -176,9 +187,22 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        slo_labels = ["model_name", "slo_class"]
+        self._slo_requests = Counter(
+            "bullet:slo_requests", "Finished requests, per SLO class.", slo_labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self._slo_met = Counter(
+            "bullet:slo_met",
+            "Finished requests per SLO class that met their TTFT target, their TPOT target, and "
+            "both (the class's attainment: both over bullet:slo_requests).",
+            [*slo_labels, "target"],
+            registry=self.registry,
+        )
+        self.default_slo = default_slo
 
-    def observe(self, output: RequestOutput) -> None:
-        """Record a request that ended (finished or aborted)."""
+    def observe(self, output: RequestOutput, service: ServiceClass = ServiceClass()) -> None:
+        """Record a request that ended (finished or aborted), against its class's SLO."""
         timings = output.timings
         self.generation_tokens.inc(len(output.token_ids))
         if not output.finished or output.finish_reason == "abort":
@@ -194,6 +218,21 @@ class ServerMetrics:
                 if len(output.token_ids) > 1:
                     decode_time = timings.finished - timings.first_token
                     self.tpot.observe(decode_time / (len(output.token_ids) - 1))
+        slo = service.slo or self.default_slo
+        if slo is None or timings.first_token is None or timings.finished is None:
+            return
+        ttft_met = timings.first_token - timings.arrival <= slo.ttft_s(len(output.prompt_token_ids))
+        outputs = len(output.token_ids)
+        tpot = (timings.finished - timings.first_token) / (outputs - 1) if outputs > 1 else 0.0
+        tpot_met = tpot <= slo.tpot_s
+        self._slo_requests.labels(self.model_name, service.name).inc()
+        for target, met in (
+            ("ttft", ttft_met),
+            ("tpot", tpot_met),
+            ("both", ttft_met and tpot_met),
+        ):
+            if met:
+                self._slo_met.labels(self.model_name, service.name, target).inc()
 
     def render(self) -> bytes:
         aliases = CollectorRegistry()

@@ -12,7 +12,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 SEED_RANGE = {"ge": -(2**63), "le": 2**64 - 1}  # what torch.Generator.manual_seed accepts
 # Choices one request may ask for (n, best_of, prompts x n): a bound, so that one request
@@ -35,7 +35,6 @@ REFUSED: dict[str, Any] = {
     "structural_tag": None,
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "priority": 0,
     "logits_processors": None,
     "return_tokens_as_token_ids": None,
     "return_token_ids": None,
@@ -185,6 +184,16 @@ class StructuredOutputsField(_Request):
     json_object: bool | None = None
 
 
+class SLOTargets(BaseModel):
+    """A request's own SLO: TTFT per prompt token (plus an optional fixed part) and TPOT, ms."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    ttft_per_token_ms: Annotated[float, Field(gt=0, le=1e6)]
+    tpot_ms: Annotated[float, Field(gt=0, le=1e6)]
+    ttft_base_ms: Annotated[float, Field(ge=0, le=1e7)] = 0.0
+
+
 class SamplingFields(_Body):
     """Fields that both endpoints share."""
 
@@ -225,6 +234,28 @@ class SamplingFields(_Body):
     ) = None
     guided_grammar: Annotated[str, Field(min_length=1)] | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # vLLM's: lower runs first (needs --scheduling-policy priority unless 0).
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+    # Ours: the request's latency targets, a class the server was started with (--slo-class)
+    # or targets of its own.
+    slo: Annotated[str, Field(min_length=1)] | SLOTargets | None = None
+
+    @field_validator("slo", mode="before")
+    @classmethod
+    def _slo_targets(cls, value: object) -> object:
+        """A class name or an object of targets, each with its own errors (not the union's)."""
+        if value is None or (isinstance(value, str) and value):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                "expected an SLO class's name or {ttft_per_token_ms, tpot_ms[, ttft_base_ms]}"
+            )
+        try:
+            return SLOTargets.model_validate(value)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise ValueError(f"{where}: {error['msg']}") from None
 
     @property
     def include_usage(self) -> bool:

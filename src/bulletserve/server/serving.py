@@ -19,6 +19,7 @@ from bulletserve.engine.client import EngineClient
 from bulletserve.engine.request import RequestOutput, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarError, StructuredOutputs
+from bulletserve.sched.slo import SLO, ServiceClass
 from bulletserve.server.errors import APIError, error_body, logged_error
 from bulletserve.server.fields import check_fields, logit_bias_of, structure_of
 from bulletserve.server.metrics import ServerMetrics
@@ -110,6 +111,31 @@ class Serving:
                 )
             self._num_admitted += sequences
         return Admission(self, sequences)
+
+    def service(self, body: SamplingFields) -> ServiceClass:
+        """The request's priority and SLO: its `slo` class (one the server was started with) or
+        targets of its own; a 400 naming the field where they cannot be served."""
+        priority = body.priority
+        if priority and self.settings.scheduling_policy == "fcfs":
+            raise APIError(
+                400,
+                f"priority {priority}: this server schedules first come first served; start it "
+                "with --scheduling-policy priority to order requests by priority",
+                "priority",
+            )
+        if body.slo is None or body.slo == "default":
+            return ServiceClass(priority)
+        if isinstance(body.slo, str):
+            slo = self.settings.slo_classes.get(body.slo)
+            if slo is None:
+                known = ", ".join(sorted(self.settings.slo_classes)) or "default"
+                raise APIError(
+                    400, f"slo: unknown class {body.slo!r}; this server has {known}", "slo"
+                )
+            return ServiceClass(priority, slo, body.slo)
+        targets = body.slo
+        slo = SLO(targets.ttft_per_token_ms, targets.tpot_ms, targets.ttft_base_ms)
+        return ServiceClass(priority, slo, "custom")
 
     def _release(self, count: int) -> None:
         with self._admitted_lock:
@@ -304,13 +330,16 @@ class Serving:
                 choice.params.summary(),
             )
         try:
-            async for output in self.client.generate(choice.prompt_ids, choice.params, request_id):
+            outputs = self.client.generate(
+                choice.prompt_ids, choice.params, request_id, None, choice.service
+            )
+            async for output in outputs:
                 last = output
                 yield output
         finally:
             admission.release(1)
             if last is not None:
-                self.metrics.observe(last)
+                self.metrics.observe(last, choice.service)
             if self.settings.log_requests:
                 ended = last.finish_reason if last is not None and last.finished else "aborted"
                 tokens = len(last.token_ids) if last is not None else 0
@@ -379,6 +408,7 @@ class ChoiceWork:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    service: ServiceClass = ServiceClass()
 
 
 def new_request_id(prefix: str) -> str:

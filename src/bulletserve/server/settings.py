@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from bulletserve.sched.base import SchedulingPolicy
+from bulletserve.sched.slo import SLO
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
@@ -33,3 +36,8 @@ class ServerSettings:
     log_requests: bool = False
     # Seconds between the periodic throughput / queue / KV cache lines; 0: none.
     log_stats_interval_s: float = 0.0
+    # The engine's --scheduling-policy: under fcfs a request's `priority` must be 0.
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # SLO classes a request may name in its `slo` field: "default" (the server's --slo-*
+    # flags) and each --slo-class.
+    slo_classes: dict[str, SLO] = field(default_factory=dict)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from bulletserve.bench.classes import WorkloadClass, assign_classes
 from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.records import BenchResult, RunResult
 from bulletserve.model.config import ModelConfig
@@ -63,7 +64,20 @@ class SimConfig(SchedulerConfig):
     # The modeled device runs this many times slower than the profile predicts (the policy
     # still believes the profile, and corrects itself online as the engine does).
     device_slowdown: float = 1.0
+    # A mixed workload (as `bullet bench`'s): its classes, and whether requests ask for their
+    # class's priority and SLO (else the run's `slo`).
+    service_classes: tuple[WorkloadClass, ...] = ()
+    send_priority: bool = False
+    send_slo: bool = False
     label: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.send_priority and self.scheduling_policy == "fcfs":
+            raise ValueError(
+                "--send-priority needs --scheduling-policy priority (a server that schedules "
+                "first come first served refuses a request's priority)"
+            )
 
 
 @dataclass
@@ -151,6 +165,16 @@ def simulate_run(
     if tokens is not None and [len(t) for t in tokens] != [i for i, _, _ in lengths]:
         raise ValueError(f"{config.dataset}: the lengths were drawn with other settings")
     requests = make_requests(lengths, arrivals, tokens)
+    for request in requests:
+        request.slo = config.slo  # the server's, as the engine fills it in
+    if config.service_classes:
+        classes = assign_classes(len(requests), list(config.service_classes), config.seed)
+        for request, workload_class in zip(requests, classes, strict=True):
+            request.slo_class = workload_class.name
+            if config.send_priority:
+                request.priority = workload_class.priority
+            if config.send_slo:
+                request.slo = workload_class.slo
     return simulate_requests(config, env, policy, requests, rate, step_log)
 
 
@@ -185,7 +209,9 @@ def simulate_requests(
     if state.book.allocator.num_free != state.book.allocator.num_blocks:
         raise RuntimeError("KV blocks leaked: the pool is not empty after the run")
     duration = max(end, max(arrivals, default=0.0), 1e-9)
-    return run_result(requests, rate, config.burstiness, duration, config.slo)
+    return run_result(
+        requests, rate, config.burstiness, duration, config.slo, config.service_classes
+    )
 
 
 def simulate(

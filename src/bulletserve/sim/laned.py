@@ -133,7 +133,9 @@ class LanedSimulator:
             ended = self.core.end_pass(lambda request: False)
             for request in ended.joined:
                 if not request.token_times:  # not a recomputation after preemption
-                    self.core.window.first_token(now - request.arrival, request.input_len)
+                    self.core.window.first_token(
+                        now - request.arrival, request.input_len, request.slo
+                    )
             self._append_tokens(ended.sampled, now)
         elif lane == "decode":
             self._append_tokens(step.requests, now)
@@ -147,4 +149,4 @@ class LanedSimulator:
             if self.state.append_token(request, now):
                 times = request.token_times
                 tpot = (now - times[0]) / (len(times) - 1) if len(times) > 1 else None
-                self.core.window.finished(tpot)
+                self.core.window.finished(tpot, request.slo)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bulletserve.sched.base import SeqView
+from bulletserve.sched.slo import SLO
 
 UNIQUE_TOKEN_SPAN = 1 << 40  # room for each request's own token ids
 
@@ -31,6 +32,9 @@ class SimRequest:
     # each token is one no other request has, as are generated ones (so the prefix cache finds
     # only what the request itself computed before a preemption).
     prompt_token_ids: tuple[int, ...] | None = None
+    priority: int = 0  # lower runs first
+    slo: SLO | None = None  # its targets (the run's where the workload gives none)
+    slo_class: str | None = None  # its class in a mixed workload
     _view: SeqView | None = None
 
     def __post_init__(self) -> None:
@@ -75,5 +79,7 @@ class SimRequest:
                 self.num_tokens,
                 self.num_computed_tokens,
                 len(self.block_table),
+                priority=self.priority,
+                slo=self.slo,
             )
         return v

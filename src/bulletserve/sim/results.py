@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from bulletserve.bench.classes import WorkloadClass
 from bulletserve.bench.metrics import summarize
 from bulletserve.bench.records import RequestRecord, RunResult
 from bulletserve.sched.slo import SLO
@@ -27,6 +28,7 @@ def to_record(request: SimRequest) -> RequestRecord:
         token_times_s=times if success else [],
         success=success,
         error=request.error,
+        slo_class=request.slo_class,
     )
 
 
@@ -36,6 +38,7 @@ def run_result(
     burstiness: float,
     duration_s: float,
     slo: SLO | None,
+    classes: Sequence[WorkloadClass] = (),
 ) -> RunResult:
     records = [to_record(r) for r in sorted(requests, key=lambda r: r.index)]
     return RunResult(
@@ -43,6 +46,6 @@ def run_result(
         burstiness=burstiness,
         max_concurrency=None,
         duration_s=duration_s,
-        summary=summarize(records, duration_s, slo),
+        summary=summarize(records, duration_s, slo, classes=classes),
         requests=records,
     )

@@ -50,7 +50,7 @@ class SimState:
                     f"{self.max_model_len}, which leaves no room for output"
                 )
                 continue
-            self.book.waiting.append(request)
+            self.book.enqueue(request)
         return arrived
 
     @property

@@ -15,7 +15,9 @@ from bulletserve.sched.slo import SLO
 
 @dataclass(frozen=True)
 class Estimator:
-    """Predictions under one snapshot's online corrections."""
+    """Predictions under one snapshot's online corrections. `slo`: the server's, for requests
+    without their own; `tpot_s`: the decode lane's TPOT target, the tightest of its requests'
+    (None: the server's)."""
 
     perf: PerfModel
     units: UnitSpace
@@ -23,10 +25,18 @@ class Estimator:
     params: BulletParams
     num_layers: int
     corrections: Corrections = Corrections()
+    decode_tpot_s: float | None = None
+
+    def slo_of(self, seq: SeqView) -> SLO:
+        return seq.slo or self.slo
+
+    @property
+    def tpot_s(self) -> float:
+        return self.slo.tpot_s if self.decode_tpot_s is None else self.decode_tpot_s
 
     @property
     def tpot_budget_s(self) -> float:
-        return self.slo.tpot_s * self.params.tpot_headroom
+        return self.tpot_s * self.params.tpot_headroom
 
     def predict(self, es: ExecutionState) -> StepPrediction:
         return self.perf.predict(es, self.corrections)
@@ -42,10 +52,16 @@ class Estimator:
         """Whether a waiting prompt's prefill alone, started now, would pass the risk share of
         its TTFT budget. The budget is its whole prompt's (what the SLO is scored on), the work
         only what its cached prefix leaves."""
-        budget = self.slo.ttft_s(seq.num_tokens)
+        budget = self.slo_of(seq).ttft_s(seq.num_tokens)
         waited = now - seq.arrival_time
         work = self.prefill_s(seq.num_remaining, seq.num_computed_tokens)
         return waited + work >= self.params.risk_share * budget
+
+    def past_deadline(self, seq: SeqView, now: float) -> bool:
+        """Whether a waiting prompt would miss its TTFT target even if its prefill started now,
+        alone on every unit."""
+        work = self.prefill_s(seq.num_remaining, seq.num_computed_tokens)
+        return now - seq.arrival_time + work > self.slo_of(seq).ttft_s(seq.num_tokens)
 
     def alone_s(
         self,
@@ -131,7 +147,7 @@ class Estimator:
         prefill_left_s = side_by_side.prefill_s * remaining_layers / layers
         risk = self.params.risk_share
         in_time = all(
-            now - s.arrival_time + prefill_left_s < risk * self.slo.ttft_s(s.num_remaining)
+            now - s.arrival_time + prefill_left_s < risk * self.slo_of(s).ttft_s(s.num_remaining)
             for s in batch
         )
         if not in_time:

@@ -73,8 +73,21 @@ class BulletPolicy:
         # the token budget, as chunked prefill's.
         self.caps_batch = not self.traits.takes_turns
 
-    def estimator(self, corrections: Corrections = Corrections()) -> Estimator:
-        return Estimator(self.perf, self.units, self.slo, self.params, self.num_layers, corrections)
+    def estimator(
+        self, corrections: Corrections = Corrections(), decoding: tuple[SeqView, ...] = ()
+    ) -> Estimator:
+        """Predictions under these corrections, with the decode lane held to the tightest
+        TPOT target of the `decoding` requests."""
+        targets = [s.slo.tpot_s for s in decoding if s.slo is not None]
+        return Estimator(
+            self.perf,
+            self.units,
+            self.slo,
+            self.params,
+            self.num_layers,
+            corrections,
+            min(targets) if targets else None,
+        )
 
     def latency_window(self) -> LatencyWindow:
         """The window of recent latencies that the executor feeds and the snapshot carries."""
@@ -84,7 +97,7 @@ class BulletPolicy:
 
     def plan_prefill(self, snap: BulletSnapshot) -> BulletPlan:
         """The prefill lane's next step: the next layer group of its batch, or a new batch."""
-        est = self.estimator(snap.corrections)
+        est = self.estimator(snap.corrections, snap.decoding)
         if snap.prefill is not None:
             batch, admitted, done = snap.prefill.requests, (), snap.prefill.layers_done
         else:
@@ -102,7 +115,7 @@ class BulletPolicy:
     def plan_decode(self, snap: BulletSnapshot) -> BulletPlan:
         """The decode lane's next step: every decoding request, preempting the newest when the
         KV pool runs out."""
-        est = self.estimator(snap.corrections)
+        est = self.estimator(snap.corrections, snap.decoding)
         builder = PlanBuilder(
             SchedulerSnapshot(
                 now=snap.now,
@@ -139,7 +152,7 @@ class BulletPolicy:
         est: Estimator | None = None,
     ) -> Situation:
         """What the rules decide from, for a lane about to run `step` of `batch`."""
-        est = est or self.estimator(snap.corrections)
+        est = est or self.estimator(snap.corrections, snap.decoding)
         return Situation(
             snap=snap,
             batch=batch,
@@ -164,15 +177,19 @@ class BulletPolicy:
     # ---- the prefill batch ------------------------------------------------------------------
 
     def order_waiting(self, snap: BulletSnapshot, est: Estimator | None = None) -> list[SeqView]:
-        """At-risk requests first (earliest deadline first), then the rest by least predicted
-        latency."""
-        est = est or self.estimator(snap.corrections)
+        """By priority (lower first; all alike under FCFS), and within one: at-risk requests
+        first, earliest deadline (each its own TTFT target) first, then the rest by least
+        predicted latency."""
+        est = est or self.estimator(snap.corrections, snap.decoding)
         at_risk = [s for s in snap.waiting if est.at_risk(s, snap.now)]
         risky = {s.request_id for s in at_risk}
         rest = [s for s in snap.waiting if s.request_id not in risky]
-        at_risk.sort(key=lambda s: s.arrival_time + self.slo.ttft_s(s.num_tokens))
+        lost = [s for s in at_risk if est.past_deadline(s, snap.now)]
+        lost_ids = {s.request_id for s in lost}
+        at_risk = [s for s in at_risk if s.request_id not in lost_ids]
+        at_risk.sort(key=lambda s: s.arrival_time + est.slo_of(s).ttft_s(s.num_tokens))
         rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
-        return at_risk + rest
+        return sorted(at_risk + rest + lost, key=lambda s: s.priority)
 
     def _form_batch(
         self, snap: BulletSnapshot, est: Estimator, saturate: bool = True

@@ -52,8 +52,8 @@ class Situation:
 
     @cached_property
     def tpot_ok(self) -> bool:
-        p90 = self.snap.stats.p90_tpot_s
-        return p90 is None or p90 <= self.est.slo.tpot_s
+        p90 = self.snap.stats.p90_tpot_over_slo
+        return p90 is None or p90 <= 1.0
 
     @cached_property
     def risky(self) -> bool:
@@ -170,7 +170,7 @@ class Situation:
         snap, est = self.snap, self.est
         decode_ctx = tuple(s.num_tokens for s in snap.decoding)
         budget = est.tpot_budget_s
-        limit = est.slo.tpot_s * est.params.late_fused_step_limit if self._late else budget
+        limit = est.tpot_s * est.params.late_fused_step_limit if self._late else budget
         whole = est.fused_step(self.batch, None, decode_ctx)
         fits = est.longest_fitting_step(self.batch, whole, decode_ctx, limit)
         if fits is not None:
@@ -183,7 +183,7 @@ class Situation:
         TPOT holds: a request's TPOT is the mean of the steps it rides in, and the decode-only
         steps between fused ones are shorter than the SLO."""
         stats = self.snap.stats
-        if stats.p90_tpot_s is None or stats.p90_tpot_s > self.est.slo.tpot_s:
+        if stats.p90_tpot_over_slo is None or stats.p90_tpot_over_slo > 1.0:
             return False
         late_ttft = stats.p90_ttft_over_slo is not None and stats.p90_ttft_over_slo > 1.0
         return self.risky or late_ttft

@@ -62,10 +62,11 @@ class UnitSpace:
 
 @dataclass(frozen=True)
 class LatencyStats:
-    """P90s over a sliding window of recent requests; None until there is data."""
+    """P90s over a sliding window of recent requests, each latency over the request's own
+    target (above 1: missed); None until there is data."""
 
-    p90_ttft_over_slo: float | None = None  # TTFT as a fraction of the request's TTFT SLO
-    p90_tpot_s: float | None = None
+    p90_ttft_over_slo: float | None = None
+    p90_tpot_over_slo: float | None = None
     # The performance model's recent error: median |predicted / measured - 1| of the last
     # MODEL_ERROR_STEPS steps (None until there are that many).
     model_error: float | None = None
@@ -76,25 +77,26 @@ MODEL_ERROR_STEPS = 16
 
 
 class LatencyWindow:
-    """P90 TTFT (over each request's own TTFT SLO) over the last `size` first tokens and P90
-    TPOT over the last `size` finished requests; the engine and the simulator feed it the same
-    way. TTFT is counted when the first token comes, not when the request ends: with outputs
-    of hundreds of tokens the window would otherwise report the TTFT of requests that arrived
-    many seconds ago, and a prefill starved since would go unseen."""
+    """P90 TTFT over the last `size` first tokens and P90 TPOT over the last `size` finished
+    requests, each over the request's own SLO (`slo`, the server's, where it has none of its
+    own); the engine and the simulator feed it the same way. TTFT is counted when the first
+    token comes, not when the request ends: with outputs of hundreds of tokens the window
+    would otherwise report the TTFT of requests that arrived many seconds ago, and a prefill
+    starved since would go unseen."""
 
     def __init__(self, slo: SLO, size: int) -> None:
         self.slo = slo
         self.ttft_over_slo: deque[float] = deque(maxlen=size)
-        self.tpot: deque[float] = deque(maxlen=size)
+        self.tpot_over_slo: deque[float] = deque(maxlen=size)
         self.step_errors: deque[float] = deque(maxlen=MODEL_ERROR_STEPS)
 
-    def first_token(self, ttft_s: float, prompt_tokens: int) -> None:
-        self.ttft_over_slo.append(ttft_s / self.slo.ttft_s(prompt_tokens))
+    def first_token(self, ttft_s: float, prompt_tokens: int, slo: SLO | None = None) -> None:
+        self.ttft_over_slo.append(ttft_s / (slo or self.slo).ttft_s(prompt_tokens))
 
-    def finished(self, tpot_s: float | None) -> None:
+    def finished(self, tpot_s: float | None, slo: SLO | None = None) -> None:
         """A request ended; tpot_s is None when it produced a single token."""
         if tpot_s is not None:
-            self.tpot.append(tpot_s)
+            self.tpot_over_slo.append(tpot_s / (slo or self.slo).tpot_s)
 
     def step(self, predicted_s: float, measured_s: float) -> None:
         """A lane's step ended: how far the performance model's prediction (under the
@@ -107,7 +109,7 @@ class LatencyWindow:
         model_error = None
         if len(errors) == errors.maxlen:
             model_error = sorted(errors)[len(errors) // 2]
-        return LatencyStats(_p90(self.ttft_over_slo), _p90(self.tpot), model_error)
+        return LatencyStats(_p90(self.ttft_over_slo), _p90(self.tpot_over_slo), model_error)
 
 
 def _p90(values: deque[float]) -> float | None:
