@@ -55,7 +55,15 @@ def _services(count: int) -> list[ServiceClass]:
 
 
 def _engine_steps(
-    model_dir, tmp_path, profile, policy, partition, requests, kv_blocks=None, services=None
+    model_dir,
+    tmp_path,
+    profile,
+    policy,
+    partition,
+    requests,
+    kv_blocks=None,
+    services=None,
+    max_queue_delay_ms=None,
 ):
     profile_path = tmp_path / "profile.json"
     profile.save(profile_path)
@@ -77,6 +85,7 @@ def _engine_steps(
         cpu_warmup_rows=0,
         step_log=str(log),
         scheduling_policy="priority" if services else "fcfs",
+        max_queue_delay_ms=max_queue_delay_ms,
     )
     if kv_blocks is not None:  # a pool that small makes the policies preempt
         per_token = load_model_config(str(model_dir / "config.json")).kv_bytes_per_token(4)
@@ -132,9 +141,12 @@ def _drive_one_lane(engine, clock, requests, services) -> None:
             clock.time = pending[0][0][1]
 
 
-def _sim_config(profile_path, policy, partition, model_dir, num_blocks, mixed=False):
+def _sim_config(
+    profile_path, policy, partition, model_dir, num_blocks, mixed=False, max_queue_delay_ms=None
+):
     return SimConfig(
         scheduling_policy="priority" if mixed else "fcfs",
+        max_queue_delay_ms=max_queue_delay_ms,
         hardware=str(profile_path),
         model=str(model_dir / "config.json"),
         policy=policy,
@@ -151,10 +163,20 @@ def _sim_config(profile_path, policy, partition, model_dir, num_blocks, mixed=Fa
 
 
 def _sim_steps(
-    tmp_path, profile, policy, partition, requests, model_dir, num_blocks, services=None
+    tmp_path,
+    profile,
+    policy,
+    partition,
+    requests,
+    model_dir,
+    num_blocks,
+    services=None,
+    max_queue_delay_ms=None,
 ):
     profile_path = tmp_path / "profile.json"
-    config = _sim_config(profile_path, policy, partition, model_dir, num_blocks, bool(services))
+    config = _sim_config(
+        profile_path, policy, partition, model_dir, num_blocks, bool(services), max_queue_delay_ms
+    )
     env = setup(config)
     services = services or [ServiceClass(slo=SLO_MS)] * len(requests)
     sim_requests = [
@@ -166,6 +188,7 @@ def _sim_steps(
     log = tmp_path / "sim.steps.jsonl"
     with log.open("w") as handle:
         simulate_requests(config, env, make_sim_policy(config, env), sim_requests, 1.0, handle)
+    assert (max_queue_delay_ms is not None) == any(r.error for r in sim_requests)
     return read_step_log(log)
 
 
@@ -230,4 +253,20 @@ def test_they_decide_alike_for_a_mixed_workload(tiny_llama_dir, tmp_path, policy
     )
     assert engine.num_preemptions > 0
     sim = _sim_steps(tmp_path, hw, policy, "auto", requests, tiny_llama_dir, 16, services)
+    assert _decisions(steps) == _decisions(sim)
+
+
+@pytest.mark.parametrize("policy", ["bullet", "chunked"])
+def test_they_shed_alike_past_the_queue_delay(tiny_llama_dir, tmp_path, policy):
+    """Past capacity with --max-queue-delay-ms: the same requests are shed (the simulator's
+    run has some), so the same steps follow."""
+    requests = _requests(24, rate=40.0, seed=5)
+    hw = PROFILES["sharing"]
+    steps, engine = _engine_steps(
+        tiny_llama_dir, tmp_path, hw, policy, "auto", requests, max_queue_delay_ms=150.0
+    )
+    num_blocks = engine.pool.num_blocks
+    sim = _sim_steps(
+        tmp_path, hw, policy, "auto", requests, tiny_llama_dir, num_blocks, None, 150.0
+    )
     assert _decisions(steps) == _decisions(sim)

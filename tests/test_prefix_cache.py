@@ -29,6 +29,7 @@ class Entry:
     skips_prefix_cache: bool = False
     prefix_root: int = 0
     num_cached_tokens: int = 0
+    priority: int = 0
 
     @property
     def num_tokens(self) -> int:

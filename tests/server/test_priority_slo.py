@@ -4,6 +4,8 @@ per-class counters of /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -110,3 +112,34 @@ def test_slo_class_flags(capsys):
     argv = ["serve", "--model", "tiny", "--load-format", "dummy", "--slo-class", "chat=2"]
     assert main(argv) == 2
     assert "--slo-class: expected NAME=TTFT_PER_TOKEN_MS,TPOT_MS" in capsys.readouterr().err
+
+
+def test_requests_waiting_past_the_queue_delay_are_shed_with_a_429():
+    """One request at a time and a 50 ms queue delay: of a burst, the first runs and those
+    still waiting for their first step after 50 ms are shed, a 429 (an error event where they
+    stream), counted per class."""
+    engine = tiny_engine(max_num_seqs=1, max_queue_delay_ms=50.0)
+    body = BODY | {"max_tokens": 64, "ignore_eos": True}
+
+    async def burst(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            posts = [client.post(f"{url}/v1/completions", json=body) for _ in range(6)]
+            streamed = client.post(f"{url}/v1/completions", json=body | {"stream": True})
+            return await asyncio.gather(*posts, streamed)
+
+    try:
+        with running_app(engine, slo_classes=CLASSES) as url:
+            *replies, streamed = asyncio.run(burst(url))
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    finally:
+        engine.shutdown()
+    codes = sorted(r.status_code for r in replies)
+    assert codes[0] == 200 and codes[-1] == 429, codes
+    shed = next(r for r in replies if r.status_code == 429)
+    assert "--max-queue-delay-ms" in shed.json()["error"]["message"]
+    assert shed.headers["Retry-After"] == "1"
+    assert streamed.status_code == 200 and '"code":429' in streamed.text
+    count = codes.count(429) + 1
+    assert (
+        f'bullet:requests_shed_total{{model_name="tiny",slo_class="default"}} {count}.0' in metrics
+    )

@@ -38,6 +38,8 @@ def plot_results(results: Sequence[BenchResult], out_dir: Path) -> list[Path]:
         for name, ylabel, key, scale in SWEEP_PLOTS
         if (path := _sweep_plot(results, out_dir / name, ylabel, key, scale)) is not None
     ]
+    if (path := _class_plot(results, out_dir / "classes.png")) is not None:
+        written.append(path)
     written.append(_cdf_plot(results, out_dir / "latency_cdf.png"))
     written.append(_timeline_plot(results, out_dir / "ttft_timeline.png"))
     return written
@@ -75,6 +77,48 @@ def _sweep_plot(
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _class_plot(results: Sequence[BenchResult], path: Path) -> Path | None:
+    """A mixed workload's attainment and goodput per class against the rate: a color per
+    result, a marker per class; None where no run has classes."""
+    classes = sorted(
+        {
+            name
+            for result in results
+            for run in result.runs
+            for name in run.summary.get("classes", {})
+        }
+    )
+    if not classes:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    markers = dict(zip(classes, "os^vD<>p*h", strict=False))
+    for index, result in enumerate(results):
+        runs = _finite_runs(result)
+        for name in classes:
+            scores = [(run.request_rate, run.summary.get("classes", {}).get(name)) for run in runs]
+            scores = [(x, score) for x, score in scores if score is not None]
+            if not scores:
+                continue
+            xs = [x for x, _ in scores]
+            style = _style(result) | {"color": f"C{index}", "marker": markers[name]}
+            style["label"] = f"{style['label']}: {name}"
+            attained = [100 * (score["attainment"] or 0.0) for _, score in scores]
+            axes[0].plot(xs, attained, **style)
+            axes[1].plot(xs, [score["goodput"] for _, score in scores], **style)
+    for ax, ylabel in zip(
+        axes, ("SLO attainment per class (%)", "Goodput per class (req/s)"), strict=True
+    ):
+        ax.set_xlabel("Request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

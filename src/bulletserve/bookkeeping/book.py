@@ -79,6 +79,17 @@ class RequestBook(Generic[E]):
         place = next(i for i, r in enumerate(waiting) if r.priority > request.priority)
         waiting.insert(place, request)
 
+    def overdue(self, now: float, limit_s: float) -> list[E]:
+        """Waiting requests that no step has begun (never admitted, nothing computed) and that
+        arrived more than `limit_s` before `now`."""
+        return [
+            r
+            for r in self.waiting
+            if not r.num_preemptions
+            and not r.num_computed_tokens
+            and now - r.view().arrival_time > limit_s
+        ]
+
     def take_waiting(self, request_ids: Iterable[str]) -> list[E]:
         """Take these requests out of the queue, in queue order, each starting from the blocks of
         its longest cached prefix (shared, their tokens counted as computed)."""

@@ -138,6 +138,14 @@ def add_scheduler_args(
     )
     group.add_argument("--block-size", type=int, default=default["block_size"])
     group.add_argument(
+        "--max-queue-delay-ms",
+        type=float,
+        default=None,
+        help="shed a request still waiting for its first step after this long: its HTTP "
+        "answer is a 429 (an error event where it streams), so that load past capacity drops "
+        "the requests that would miss their SLO anyway (default: none shed)",
+    )
+    group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=default["enable_prefix_caching"],

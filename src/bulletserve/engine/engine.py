@@ -134,7 +134,14 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self.front.eos_token_ids
         self.book: RequestBook[Request] = RequestBook(self.pool.allocator, self.pool.block_size)
-        self.life = RequestLife(self.tokenizer, self.max_model_len, self.book, self.clock)
+        delay_ms = config.max_queue_delay_ms
+        self.life = RequestLife(
+            self.tokenizer,
+            self.max_model_len,
+            self.book,
+            self.clock,
+            None if delay_ms is None else delay_ms / 1e3,
+        )
         self._ids = itertools.count()
         # --step-log: one JSON line per step (the executor writes it).
         self.step_log = open(config.step_log, "a") if config.step_log else None

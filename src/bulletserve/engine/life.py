@@ -28,11 +28,13 @@ class RequestLife:
         max_model_len: int,
         book: RequestBook[Request],
         clock: Clock,
+        max_queue_delay_s: float | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.book = book
         self.clock = clock
+        self.max_queue_delay_s = max_queue_delay_s
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) reported
@@ -64,7 +66,8 @@ class RequestLife:
         return bool(self._inbox or self._aborts)
 
     def take_in(self) -> list[RequestOutput]:
-        """Queue the requests that came in; finish the aborted ones (their outputs)."""
+        """Queue the requests that came in; finish the aborted ones and those waiting past
+        --max-queue-delay-ms, finish reason "shed" (their outputs)."""
         with self._lock:
             for request in self._inbox:
                 self.book.enqueue(request)
@@ -78,6 +81,10 @@ class RequestLife:
                 continue
             self._finish(request, "abort", RequestState.ABORTED)
             outputs.append(self.output(request))
+        if self.max_queue_delay_s is not None:
+            for request in self.book.overdue(self.clock.now(), self.max_queue_delay_s):
+                self._finish(request, "shed", RequestState.ABORTED)
+                outputs.append(self.output(request))
         return outputs
 
     def append_token(

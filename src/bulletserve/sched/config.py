@@ -35,6 +35,9 @@ class SchedulerConfig:
     partition: str = "auto"  # auto | none | static:P/D
     prefill_layers_per_step: int | None = None  # None: all layers in one step
     fuse_decode: bool = True  # a prefill step may carry the decode rows (the fused rules)
+    # Shed (refuse with a 429) a request still waiting for its first step after this long: past
+    # capacity, the requests that would miss their SLO anyway go, not every request's SLO.
+    max_queue_delay_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -49,6 +52,8 @@ class SchedulerConfig:
                 f"--scheduling-policy must be fcfs or priority, not {self.scheduling_policy!r}"
             )
         parse_partition(self.partition)
+        if self.max_queue_delay_ms is not None and not self.max_queue_delay_ms > 0:
+            raise ValueError(f"--max-queue-delay-ms must be > 0, got {self.max_queue_delay_ms}")
 
     @property
     def chunk_size(self) -> int:

@@ -199,12 +199,22 @@ class ServerMetrics:
             [*slo_labels, "target"],
             registry=self.registry,
         )
+        self._shed = Counter(
+            "bullet:requests_shed",
+            "Requests shed (429) after waiting past --max-queue-delay-ms, per SLO class.",
+            slo_labels,
+            registry=self.registry,
+        )
         self.default_slo = default_slo
 
     def observe(self, output: RequestOutput, service: ServiceClass = ServiceClass()) -> None:
         """Record a request that ended (finished or aborted), against its class's SLO."""
         timings = output.timings
         self.generation_tokens.inc(len(output.token_ids))
+        if output.finish_reason == "shed":  # a miss of its class's SLO
+            self._slo_requests.labels(self.model_name, service.name).inc()
+            self._shed.labels(self.model_name, service.name).inc()
+            return
         if not output.finished or output.finish_reason == "abort":
             return
         self.prompt_tokens.inc(len(output.prompt_token_ids))

@@ -335,6 +335,11 @@ class Serving:
             )
             async for output in outputs:
                 last = output
+                if output.finish_reason == "shed":
+                    raise RequestShedError(
+                        "the server is past its capacity: the request waited more than "
+                        "--max-queue-delay-ms for its first step; retry later"
+                    )
                 yield output
         finally:
             admission.release(1)
@@ -372,6 +377,8 @@ class Serving:
             raise APIError(500, logged_error("the engine failed", exc)) from None
         except StreamEndedError as exc:
             raise APIError(503, str(exc)) from None
+        except RequestShedError as exc:
+            raise APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     async def stream(
         self,
@@ -395,9 +402,15 @@ class Serving:
             yield sse(error_body(500, logged_error("the engine failed", exc)).model_dump_json())
         except StreamEndedError as exc:
             yield sse(error_body(503, str(exc)).model_dump_json())
+        except RequestShedError as exc:
+            yield sse(error_body(429, str(exc)).model_dump_json())
         except ValueError as exc:
             yield sse(error_body(400, str(exc)).model_dump_json())
         yield sse("[DONE]")
+
+
+class RequestShedError(Exception):
+    """The engine shed the request before its first step (--max-queue-delay-ms)."""
 
 
 @dataclass

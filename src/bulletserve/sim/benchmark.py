@@ -195,6 +195,9 @@ def simulate_requests(
         env.max_model_len,
         step_log,
         prefix_caching=config.enable_prefix_caching,
+        max_queue_delay_s=(
+            None if config.max_queue_delay_ms is None else config.max_queue_delay_ms / 1e3
+        ),
     )
     noise = Noise(config.noise, config.seed)
     env.perf.reset_corrections()  # each run starts cold, as a new server does

@@ -23,12 +23,14 @@ class SimState:
         max_model_len: int,
         step_log: TextIO | None = None,
         prefix_caching: bool = True,
+        max_queue_delay_s: float | None = None,
     ) -> None:
         self.requests = list(requests)
         self._pending = deque(sorted(self.requests, key=lambda r: (r.arrival, r.index)))
         allocator = BlockAllocator(num_blocks, prefix_caching)
         self.book: RequestBook[SimRequest] = RequestBook(allocator, block_size)
         self.max_model_len = max_model_len
+        self.max_queue_delay_s = max_queue_delay_s
         self.num_steps = 0
         self.step_log = step_log
 
@@ -51,6 +53,10 @@ class SimState:
                 )
                 continue
             self.book.enqueue(request)
+        if self.max_queue_delay_s is not None:  # as the engine's RequestLife.take_in
+            for request in self.book.overdue(now, self.max_queue_delay_s):
+                request.error = "shed: waited past --max-queue-delay-ms for its first step"
+                self.book.finish(request)
         return arrived
 
     @property
