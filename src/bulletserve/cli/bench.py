@@ -130,18 +130,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     )
 
     slo = parser.add_argument_group("SLOs")
-    slo.add_argument(
-        "--slo-ttft-per-token-ms",
-        type=float,
-        help="normalized TTFT SLO (default: the paper's for the dataset)",
-    )
-    slo.add_argument(
-        "--slo-ttft-base-ms",
-        type=float,
-        default=0.0,
-        help="a fixed part of the TTFT SLO, added to input tokens x the per-token SLO (default 0)",
-    )
-    slo.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO (default: the paper's)")
+    add_slo_args(slo)
     slo.add_argument(
         "--goodput",
         nargs="+",
@@ -155,6 +144,22 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     out.add_argument("--output", type=Path, metavar="RESULT.json")
     out.add_argument("--plot", type=Path, metavar="DIR")
     out.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def add_slo_args(group: argparse._ActionsContainer) -> None:
+    """The SLO flags, as `bullet bench`, `bullet simulate` and its capacity study take them."""
+    group.add_argument(
+        "--slo-ttft-per-token-ms",
+        type=float,
+        help="TTFT SLO per prompt token (default: the paper's for the dataset)",
+    )
+    group.add_argument(
+        "--slo-ttft-base-ms",
+        type=float,
+        default=0.0,
+        help="a fixed part of the TTFT SLO, added to input tokens x the per-token SLO",
+    )
+    group.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO (default: the paper's)")
 
 
 def add_service_class_args(group: argparse._ActionsContainer) -> None:

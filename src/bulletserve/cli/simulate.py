@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from bulletserve.cli import CLIError
-from bulletserve.cli.bench import add_service_class_args, service_classes
+from bulletserve.cli.bench import add_service_class_args, add_slo_args, service_classes
 from bulletserve.engine.config import add_scheduler_args, policy_of
 from bulletserve.sched import SchedulerConfig
 from bulletserve.sim.defaults import (
@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         help="log-normal sigma of per-step time noise (0: exact predictions)",
     )
     slo = parser.add_argument_group("SLOs (default: the paper's for the dataset)")
-    _add_slo_args(slo)
+    add_slo_args(slo)
     add_service_class_args(slo)
 
     out = parser.add_argument_group("output")
@@ -128,17 +128,6 @@ def _add_device_args(
     group.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks, exactly")
 
 
-def _add_slo_args(group: argparse._ActionsContainer) -> None:
-    group.add_argument("--slo-ttft-per-token-ms", type=float)
-    group.add_argument(
-        "--slo-ttft-base-ms",
-        type=float,
-        default=0.0,
-        help="a fixed part of the TTFT SLO, added to input tokens x the per-token SLO",
-    )
-    group.add_argument("--slo-tpot-ms", type=float)
-
-
 def _add_studies(studies: argparse._SubParsersAction) -> None:
     capacity = studies.add_parser(
         "capacity",
@@ -175,7 +164,7 @@ def _add_studies(studies: argparse._SubParsersAction) -> None:
         help="one grid for every workload (default: per workload)",
     )
     capacity.add_argument("--target", type=float, default=CAPACITY_TARGET, help="attainment")
-    _add_slo_args(capacity.add_argument_group("SLOs (default: the paper's for the workload)"))
+    add_slo_args(capacity.add_argument_group("SLOs (default: the paper's for the workload)"))
     capacity.add_argument("--workers", type=int, default=1, help="processes running simulations")
     capacity.add_argument("--out", type=Path, help="the plot (PNG)")
     capacity.add_argument("--results", type=Path, help="the attainment grids (JSON)")

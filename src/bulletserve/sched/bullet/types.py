@@ -79,24 +79,33 @@ MODEL_ERROR_STEPS = 16
 class LatencyWindow:
     """P90 TTFT over the last `size` first tokens and P90 TPOT over the last `size` finished
     requests, each over the request's own SLO (`slo`, the server's, where it has none of its
-    own); the engine and the simulator feed it the same way. TTFT is counted when the first
-    token comes, not when the request ends: with outputs of hundreds of tokens the window
-    would otherwise report the TTFT of requests that arrived many seconds ago, and a prefill
-    starved since would go unseen."""
+    own), per SLO: the stats are the worst of the SLOs' P90s, so that a class with tight
+    targets that misses is not hidden among many looser requests that hold. The engine and the
+    simulator feed it the same way. TTFT is counted when the first token comes, not when the
+    request ends: with outputs of hundreds of tokens the window would otherwise report the TTFT
+    of requests that arrived many seconds ago, and a prefill starved since would go unseen."""
 
     def __init__(self, slo: SLO, size: int) -> None:
         self.slo = slo
-        self.ttft_over_slo: deque[float] = deque(maxlen=size)
-        self.tpot_over_slo: deque[float] = deque(maxlen=size)
+        self.size = size
+        self.ttft_over_slo: dict[SLO, deque[float]] = {}
+        self.tpot_over_slo: dict[SLO, deque[float]] = {}
         self.step_errors: deque[float] = deque(maxlen=MODEL_ERROR_STEPS)
 
     def first_token(self, ttft_s: float, prompt_tokens: int, slo: SLO | None = None) -> None:
-        self.ttft_over_slo.append(ttft_s / (slo or self.slo).ttft_s(prompt_tokens))
+        slo = slo or self.slo
+        self._window(self.ttft_over_slo, slo).append(ttft_s / slo.ttft_s(prompt_tokens))
 
     def finished(self, tpot_s: float | None, slo: SLO | None = None) -> None:
         """A request ended; tpot_s is None when it produced a single token."""
         if tpot_s is not None:
-            self.tpot_over_slo.append(tpot_s / (slo or self.slo).tpot_s)
+            slo = slo or self.slo
+            self._window(self.tpot_over_slo, slo).append(tpot_s / slo.tpot_s)
+
+    def _window(self, windows: dict[SLO, deque[float]], slo: SLO) -> deque[float]:
+        if slo not in windows:
+            windows[slo] = deque(maxlen=self.size)
+        return windows[slo]
 
     def step(self, predicted_s: float, measured_s: float) -> None:
         """A lane's step ended: how far the performance model's prediction (under the
@@ -109,7 +118,14 @@ class LatencyWindow:
         model_error = None
         if len(errors) == errors.maxlen:
             model_error = sorted(errors)[len(errors) // 2]
-        return LatencyStats(_p90(self.ttft_over_slo), _p90(self.tpot_over_slo), model_error)
+        return LatencyStats(
+            _worst_p90(self.ttft_over_slo), _worst_p90(self.tpot_over_slo), model_error
+        )
+
+
+def _worst_p90(windows: dict[SLO, deque[float]]) -> float | None:
+    p90s = [p for p in map(_p90, windows.values()) if p is not None]
+    return max(p90s) if p90s else None
 
 
 def _p90(values: deque[float]) -> float | None:
