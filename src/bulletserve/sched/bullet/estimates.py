@@ -16,8 +16,8 @@ from bulletserve.sched.slo import SLO
 @dataclass(frozen=True)
 class Estimator:
     """Predictions under one snapshot's online corrections. `slo`: the server's, for requests
-    without their own; `tpot_s`: the decode lane's TPOT target, the tightest of its requests'
-    (None: the server's)."""
+    without their own; `decode_tpot_s`: the decode lane's TPOT target, the tightest of its
+    requests' (None: the server's)."""
 
     perf: PerfModel
     units: UnitSpace
