@@ -27,7 +27,12 @@ BATCH = WorkloadClass("batch", 0.7, SLO(20.0, 1000.0), 1)
 def test_a_class_flag_parses_and_bad_ones_say_why():
     assert parse_workload_class("interactive:0.3:2,100:0") == INTERACTIVE
     assert parse_workload_class("batch:0.7:20,1000") == WorkloadClass("batch", 0.7, SLO(20, 1000))
-    for bad in ("a:0.5", "a:x:2,100", "a:0.5:2", "a:1.5:2,100", ":0.5:2,100", "a:0.5:2,100:x"):
+    with_base = parse_workload_class("chat:0.5:2,100,50:-1")
+    assert with_base == WorkloadClass("chat", 0.5, SLO(2, 100, 50), -1)
+    for bad in (
+        "a:0.5", "a:x:2,100", "a:0.5:2", "a:1.5:2,100", ":0.5:2,100", "a:0.5:2,100:x",
+        "a:0.5:2,100,-1", "a:0.5:2,100,5,6",
+    ):  # fmt: skip
         with pytest.raises(ValueError):
             parse_workload_class(bad)
     with pytest.raises(ValueError, match="sum to 0.6"):

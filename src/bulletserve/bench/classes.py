@@ -19,21 +19,26 @@ class WorkloadClass:
 
 
 def parse_workload_class(text: str) -> WorkloadClass:
-    """`NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[:PRIORITY]`, e.g. `interactive:0.3:2,100:0`."""
+    """`NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS][:PRIORITY]`, e.g.
+    `interactive:0.3:2,100:0` or, with a fixed part of the TTFT target,
+    `interactive:0.3:2,100,50:0`."""
     parts = text.split(":")
     try:
         if len(parts) not in (3, 4) or not parts[0]:
             raise ValueError
         share = float(parts[1])
-        ttft, tpot = (float(x) for x in parts[2].split(","))
+        targets = [float(x) for x in parts[2].split(",")]
+        if len(targets) not in (2, 3):
+            raise ValueError
         priority = int(parts[3]) if len(parts) == 4 else 0
     except ValueError:
         raise ValueError(
-            f"expected NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[:PRIORITY], not {text!r}"
+            f"expected NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS][:PRIORITY], not {text!r}"
         ) from None
-    if not (0 < share <= 1 and ttft > 0 and tpot > 0):
+    base = targets[2] if len(targets) == 3 else 0.0
+    if not (0 < share <= 1 and targets[0] > 0 and targets[1] > 0 and base >= 0):
         raise ValueError(f"{text!r}: the share must be in (0, 1] and the targets positive")
-    return WorkloadClass(parts[0], share, SLO(ttft, tpot), priority)
+    return WorkloadClass(parts[0], share, SLO(targets[0], targets[1], base), priority)
 
 
 def check_classes(classes: list[WorkloadClass]) -> None:

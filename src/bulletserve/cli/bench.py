@@ -168,7 +168,7 @@ def add_service_class_args(group: argparse._ActionsContainer) -> None:
         "--service-class",
         action="append",
         default=[],
-        metavar="NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[:PRIORITY]",
+        metavar="NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS][:PRIORITY]",
         help="a class of a mixed workload (repeatable; the shares sum to 1): its share of the "
         "requests, drawn by --seed, each scored at the class's SLO, per class and over all "
         "(in place of the --slo-* flags)",
