@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bulletserve.sched.slo import SLO
+from bulletserve.sched.slo import SLO, TARGETS_FORMAT, parse_targets
 
 
 @dataclass(frozen=True)
@@ -25,20 +25,17 @@ def parse_workload_class(text: str) -> WorkloadClass:
     parts = text.split(":")
     try:
         if len(parts) not in (3, 4) or not parts[0]:
-            raise ValueError
+            raise ValueError("three or four fields")
         share = float(parts[1])
-        targets = [float(x) for x in parts[2].split(",")]
-        if len(targets) not in (2, 3):
-            raise ValueError
+        if not 0 < share <= 1:
+            raise ValueError("the share must be in (0, 1]")
+        slo = parse_targets(parts[2])
         priority = int(parts[3]) if len(parts) == 4 else 0
-    except ValueError:
+    except ValueError as exc:
         raise ValueError(
-            f"expected NAME:SHARE:TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS][:PRIORITY], not {text!r}"
+            f"expected NAME:SHARE:{TARGETS_FORMAT}[:PRIORITY], not {text!r} ({exc})"
         ) from None
-    base = targets[2] if len(targets) == 3 else 0.0
-    if not (0 < share <= 1 and targets[0] > 0 and targets[1] > 0 and base >= 0):
-        raise ValueError(f"{text!r}: the share must be in (0, 1] and the targets positive")
-    return WorkloadClass(parts[0], share, SLO(targets[0], targets[1], base), priority)
+    return WorkloadClass(parts[0], share, slo, priority)
 
 
 def check_classes(classes: list[WorkloadClass]) -> None:

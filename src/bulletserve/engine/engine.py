@@ -41,7 +41,7 @@ from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import TeamThread
-from bulletserve.sched.base import Policy
+from bulletserve.sched.base import Policy, check_priority
 from bulletserve.sched.slo import ServiceClass
 
 if TYPE_CHECKING:
@@ -217,10 +217,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; raises ValueError for bad input before anything is queued.
         `service`: its priority and SLO (None: the server's, `--slo-*`)."""
-        if service.priority and self.config.scheduling_policy == "fcfs":
-            raise ValueError(
-                f"priority {service.priority}: priorities need --scheduling-policy priority"
-            )
+        check_priority(service.priority, self.config.scheduling_policy)
         if params.n != 1:
             raise ValueError(
                 f"n={params.n}: a request is one sequence; LLM.generate and the server run a "

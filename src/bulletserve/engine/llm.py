@@ -12,6 +12,7 @@ from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.sched.base import check_priority
 from bulletserve.sched.slo import ServiceClass
 
 Prompt = str | list[int]
@@ -59,8 +60,8 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
-        if any(priorities) and self.engine.config.scheduling_policy == "fcfs":
-            raise ValueError("priorities need LLM(..., scheduling_policy='priority')")
+        for rank in priorities:
+            check_priority(rank, self.engine.config.scheduling_policy)
         for prompt in prompts:
             self.engine.check_prompt(self.engine.tokenize(prompt))
         ids = [

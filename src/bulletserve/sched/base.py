@@ -72,6 +72,16 @@ class Policy(Protocol):
     def plan(self, snapshot: SchedulerSnapshot) -> StepPlan: ...
 
 
+def check_priority(priority: int, policy: SchedulingPolicy) -> None:
+    """ValueError unless a request's `priority` can be honoured: any under priority scheduling,
+    only 0 under FCFS (as vLLM refuses it)."""
+    if priority and policy == "fcfs":
+        raise ValueError(
+            f"priority {priority}: this server schedules first come first served; start it "
+            "with --scheduling-policy priority to order requests by priority"
+        )
+
+
 def keep_order(seq: SeqView) -> tuple[float, float]:
     """Which running requests keep their KV when blocks run out: the highest priority first,
     then the tightest TPOT target. Sorting is stable, so among equals admission order decides

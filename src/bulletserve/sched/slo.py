@@ -39,25 +39,36 @@ class ServiceClass:
     name: str = "default"
 
 
+TARGETS_FORMAT = "TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS]"
+
+
+def parse_targets(text: str) -> SLO:
+    """`TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS]` -> that SLO; a ValueError saying what is
+    wrong (the callers name their flag's whole format)."""
+    try:
+        numbers = [float(x) for x in text.split(",")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (2, 3):
+        raise ValueError("two or three numbers")
+    if not (numbers[0] > 0 and numbers[1] > 0 and (len(numbers) < 3 or numbers[2] >= 0)):
+        raise ValueError("the targets must be positive and the fixed part at least 0")
+    return SLO(*numbers)
+
+
 def parse_slo_class(text: str) -> tuple[str, SLO]:
     """`NAME=TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS]` -> (name, its SLO); ValueError saying
     what is wrong."""
     name, _, targets = text.partition("=")
     try:
-        if not name or not targets:
-            raise ValueError
-        numbers = [float(x) for x in targets.split(",")]
-        if len(numbers) not in (2, 3):
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"expected NAME=TTFT_PER_TOKEN_MS,TPOT_MS[,TTFT_BASE_MS], not {text!r}"
-        ) from None
-    if not (numbers[0] > 0 and numbers[1] > 0 and (len(numbers) < 3 or numbers[2] >= 0)):
-        raise ValueError(f"{text!r}: the targets must be positive (the fixed part >= 0)")
+        if not name:
+            raise ValueError("a name")
+        slo = parse_targets(targets)
+    except ValueError as exc:
+        raise ValueError(f"expected NAME={TARGETS_FORMAT}, not {text!r} ({exc})") from None
     if name in ("default", "custom"):
         raise ValueError(
             f"{text!r}: {name!r} is taken (default: the server's --slo-* flags; custom: a "
             "request's own targets)"
         )
-    return name, SLO(*numbers)
+    return name, slo

@@ -19,6 +19,7 @@ from bulletserve.engine.client import EngineClient
 from bulletserve.engine.request import RequestOutput, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarError, StructuredOutputs
+from bulletserve.sched.base import check_priority
 from bulletserve.sched.slo import SLO, ServiceClass
 from bulletserve.server.errors import APIError, error_body, logged_error
 from bulletserve.server.fields import check_fields, logit_bias_of, structure_of
@@ -116,13 +117,10 @@ class Serving:
         """The request's priority and SLO: its `slo` class (one the server was started with) or
         targets of its own; a 400 naming the field where they cannot be served."""
         priority = body.priority
-        if priority and self.settings.scheduling_policy == "fcfs":
-            raise APIError(
-                400,
-                f"priority {priority}: this server schedules first come first served; start it "
-                "with --scheduling-policy priority to order requests by priority",
-                "priority",
-            )
+        try:
+            check_priority(priority, self.settings.scheduling_policy)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "priority") from None
         if body.slo is None or body.slo == "default":
             return ServiceClass(priority)
         if isinstance(body.slo, str):
