@@ -686,6 +686,16 @@ def _decoding(count: int, context: int = 300) -> tuple[SeqView, ...]:
 PROMPT = (SeqView("w", 100.0, 256, 0, 0),)
 HOLDING = LatencyStats(0.5, 0.05 / 0.15)  # P90 TTFT within its SLO, P90 TPOT within its 150 ms
 TPOT_MISSING = LatencyStats(0.5, 0.2 / 0.15)  # P90 TTFT within its SLO, P90 TPOT over it
+
+
+def _behind(count: int, priority: int = 0) -> tuple[SeqView, ...]:
+    """Decoding requests 200 ms a token since their first token 2 s ago: behind their 150 ms."""
+    return tuple(
+        dataclasses.replace(s, priority=priority, first_token_time=98.0, num_output_tokens=10)
+        for s in _decoding(count)
+    )
+
+
 # Each rule, on a policy and a snapshot where it is the first of the table to fire.
 RULE_CASES = {
     "none": (make_policy(CPU, partition="none"), _rule_snapshot(PROMPT, _decoding(4), HOLDING)),
@@ -694,6 +704,10 @@ RULE_CASES = {
     "static": (
         make_policy(CPU, partition="static", static=Split(1, 1, "static")),
         _rule_snapshot(PROMPT, _decoding(4), HOLDING),
+    ),
+    "decode-first": (
+        POLICIES["cpu"],
+        _rule_snapshot((dataclasses.replace(PROMPT[0], priority=1),), _behind(4), HOLDING),
     ),
     "chunked-plan": (
         POLICIES["h100"],
@@ -803,3 +817,44 @@ def test_each_request_is_held_to_its_own_slo_and_the_queue_to_priorities():
     snap = dataclasses.replace(_rule_snapshot((), decoding, HOLDING), waiting=waiting)
     order = [s.request_id for s in policy.order_waiting(snap)]
     assert order == ["first", "late-tight", "late-default", "short", "lost"]
+
+
+def test_prompts_that_rank_below_requests_behind_their_tpot_wait_while_they_have_slack():
+    """Where the lanes take turns (a CPU), decode runs alone while requests behind their own
+    TPOT target outrank every queued prompt and no prompt is at risk; not when the ranks are
+    equal (one SLO, one priority: the rules as before), not when a prompt is at risk, not
+    when the decoding requests keep their TPOT, and not on a GPU."""
+    policy, snap = RULE_CASES["decode-first"]
+    est = policy.estimator()
+    assert est.behind_tpot(snap.decoding[0], 100.0)
+    assert not est.behind_tpot(snap.decoding[0], 99.0)  # 100 ms a token
+    assert not est.behind_tpot(_decoding(1)[0], 100.0)  # no first token yet
+    assert policy.plan_decode(snap).split == Split(0, 2, "decode-first")
+    assert policy.plan_prefill(snap).split.rule == "decode-first"
+
+    def rule(**changes) -> str:
+        return policy.plan_prefill(dataclasses.replace(snap, **changes)).split.rule
+
+    assert rule(waiting=PROMPT) == "chunked-plan"  # equal ranks
+    assert rule(decoding=_decoding(4)) == "chunked-plan"  # in time
+    # A tighter TPOT target outranks at one priority too.
+    tighter = tuple(dataclasses.replace(s, slo=SLO(3.0, 100.0)) for s in snap.decoding)
+    assert rule(waiting=PROMPT, decoding=tighter) == "decode-first"
+    at_risk = _rule_snapshot(snap.waiting, snap.decoding, HOLDING, waited_s=5.0)
+    assert policy.plan_prefill(at_risk).split.rule != "decode-first"
+    assert POLICIES["h100"].plan_prefill(snap).split.rule != "decode-first"
+
+
+def test_a_prefill_batch_holds_one_priority():
+    """A lower priority's prompt does not join a batch that gives a higher one its first
+    token (its tokens would lengthen that step); the next batch takes it."""
+    policy = POLICIES["cpu"]
+    waiting = (
+        SeqView("a", 100.0, 200, 0, 0),
+        SeqView("b", 100.0, 200, 0, 0),
+        SeqView("low", 100.0, 100, 0, 0, priority=1),
+    )
+    snap = _rule_snapshot(waiting, (), HOLDING)
+    assert policy.plan_prefill(snap).prefill.admitted == ("a", "b")
+    alone = _rule_snapshot(waiting[2:], (), HOLDING)
+    assert policy.plan_prefill(alone).prefill.admitted == ("low",)

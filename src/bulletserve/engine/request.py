@@ -125,6 +125,8 @@ class Request:
             len(self.block_table),
             priority=self.service.priority,
             slo=self.service.slo,
+            first_token_time=self.timings.first_token,
+            num_output_tokens=self.num_output_tokens,
         )
 
 

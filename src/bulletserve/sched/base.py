@@ -27,6 +27,9 @@ class SeqView:
     num_shared_blocks: int = 0
     priority: int = 0  # lower runs first; 0 for every request under FCFS
     slo: SLO | None = None  # its own targets, or the server's (None: the server has none)
+    # When its first token came (None: not yet) and how many it has generated: its TPOT so far.
+    first_token_time: float | None = None
+    num_output_tokens: int = 0
 
     @property
     def num_remaining(self) -> int:

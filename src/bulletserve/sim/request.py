@@ -81,5 +81,7 @@ class SimRequest:
                 len(self.block_table),
                 priority=self.priority,
                 slo=self.slo,
+                first_token_time=self.token_times[0] if self.token_times else None,
+                num_output_tokens=len(self.token_times),
             )
         return v

@@ -57,6 +57,14 @@ class Estimator:
         work = self.prefill_s(seq.num_remaining, seq.num_computed_tokens)
         return waited + work >= self.params.risk_share * budget
 
+    def behind_tpot(self, seq: SeqView, now: float) -> bool:
+        """Whether a decoding request's TPOT, were its next token to come now, would pass the
+        TPOT headroom of its own target."""
+        if seq.first_token_time is None or seq.num_output_tokens < 1:
+            return False
+        tpot = (now - seq.first_token_time) / seq.num_output_tokens
+        return tpot > self.params.tpot_headroom * self.slo_of(seq).tpot_s
+
     def past_deadline(self, seq: SeqView, now: float) -> bool:
         """Whether a waiting prompt would miss its TTFT target even if its prefill started now,
         alone on every unit."""

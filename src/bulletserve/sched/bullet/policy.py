@@ -196,8 +196,9 @@ class BulletPolicy:
     ) -> tuple[SeqView, ...]:
         """Whole prompts in order while the batch is below the compute-saturation point (with
         `saturate`: where the lanes share the device) and fits the token, sequence and KV
-        budgets. No overtaking: the first that does not fit ends the batch, so an at-risk
-        request is never passed over."""
+        budgets, all of one priority (a lower one's tokens would lengthen the step that gives a
+        higher one its first token). No overtaking: the first that does not fit ends the
+        batch, so an at-risk request is never passed over."""
         batch: list[SeqView] = []
         tokens = 0
         free = snap.free_blocks
@@ -209,6 +210,7 @@ class BulletPolicy:
             if batch and (
                 (saturate and tokens >= self.saturation_tokens)
                 or tokens + seq.num_remaining > snap.max_prefill_tokens
+                or seq.priority != batch[0].priority
             ):
                 break
             if seats <= 0 or need > free - reserve:

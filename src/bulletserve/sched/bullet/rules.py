@@ -64,6 +64,22 @@ class Situation:
         return any(self.est.at_risk(s, self.snap.now) for s in self.batch)
 
     @cached_property
+    def outranked(self) -> bool:
+        """Decoding requests behind their own TPOT target (Estimator.behind_tpot) outrank every
+        prompt of the batch (by priority, then the tighter TPOT target): a step that carries
+        the prompts would lengthen the TPOT of requests that come first. With one SLO and one
+        priority no request outranks another, and this never holds."""
+        if not self.batch:
+            return False
+
+        def rank(seq: SeqView) -> tuple[int, float]:
+            return seq.priority, self.est.slo_of(seq).tpot_s
+
+        now = self.snap.now
+        lagging = [rank(s) for s in self.snap.decoding if self.est.behind_tpot(s, now)]
+        return bool(lagging) and min(lagging) < min(map(rank, self.batch))
+
+    @cached_property
     def ttft_ok(self) -> bool:
         p90 = self.snap.stats.p90_ttft_over_slo
         return not self.risky and (p90 is None or p90 <= 1.0)
@@ -235,6 +251,15 @@ def _static(s: Situation) -> Choice | None:
     return Choice(s.static_split)
 
 
+def _decode_first(s: Situation) -> Choice | None:
+    """Where the lanes take turns, a step either carries prompts or not: TPOT missing for
+    requests that outrank every queued prompt, with none of those at risk, the decode rows run
+    alone (the split rules give decode more units where the lanes share)."""
+    if not (s.traits.takes_turns and s.has_decode) or s.model_off:
+        return None
+    return _split(0, s.total, "decode-first") if s.outranked and not s.risky else None
+
+
 def _chunked_plan(s: Situation) -> Choice | None:
     """Chunked prefill's plan (prompts up to the token budget fused with the decode rows, as a
     chunked engine's hybrid step) where the model is not trusted (its recent predictions are
@@ -307,6 +332,13 @@ RULES: tuple[Rule, ...] = (
     Rule("no-prefill", "Algorithm 1", "nothing to prefill: decode gets every unit", _no_prefill),
     Rule("no-decode", "Algorithm 1", "nothing to decode: prefill gets every unit", _no_decode),
     Rule("static", "ablation", "--partition static:P/D: a fixed split", _static),
+    Rule(
+        "decode-first",
+        "extension",
+        "the lanes take turns and TPOT misses for requests that outrank every queued prompt, "
+        "none at risk: the decode rows alone",
+        _decode_first,
+    ),
     Rule(
         "chunked-plan",
         "extension",
