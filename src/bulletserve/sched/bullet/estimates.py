@@ -57,6 +57,12 @@ class Estimator:
         work = self.prefill_s(seq.num_remaining, seq.num_computed_tokens)
         return waited + work >= self.params.risk_share * budget
 
+    def rank(self, seq: SeqView) -> tuple[int, float]:
+        """Which request comes first (the smaller): the higher priority, then the tighter TPOT
+        target; `sched.base.keep_order`'s order, with the server's SLO where a request has none
+        of its own."""
+        return seq.priority, self.slo_of(seq).tpot_s
+
     def behind_tpot(self, seq: SeqView, now: float) -> bool:
         """Whether a decoding request's TPOT, were its next token to come now, would pass the
         TPOT headroom of its own target."""

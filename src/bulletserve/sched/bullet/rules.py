@@ -71,13 +71,9 @@ class Situation:
         priority no request outranks another, and this never holds."""
         if not self.batch:
             return False
-
-        def rank(seq: SeqView) -> tuple[int, float]:
-            return seq.priority, self.est.slo_of(seq).tpot_s
-
-        now = self.snap.now
-        lagging = [rank(s) for s in self.snap.decoding if self.est.behind_tpot(s, now)]
-        return bool(lagging) and min(lagging) < min(map(rank, self.batch))
+        est, now = self.est, self.snap.now
+        lagging = [est.rank(s) for s in self.snap.decoding if est.behind_tpot(s, now)]
+        return bool(lagging) and min(lagging) < min(map(est.rank, self.batch))
 
     @cached_property
     def ttft_ok(self) -> bool:
@@ -252,9 +248,9 @@ def _static(s: Situation) -> Choice | None:
 
 
 def _decode_first(s: Situation) -> Choice | None:
-    """Where the lanes take turns, a step either carries prompts or not: TPOT missing for
-    requests that outrank every queued prompt, with none of those at risk, the decode rows run
-    alone (the split rules give decode more units where the lanes share)."""
+    """Where the lanes take turns, a step either carries prompts or not: while requests behind
+    their TPOT target outrank every queued prompt and none of those is at risk, the decode rows
+    run alone (where the lanes share, the split rules give decode more units instead)."""
     if not (s.traits.takes_turns and s.has_decode) or s.model_off:
         return None
     return _split(0, s.total, "decode-first") if s.outranked and not s.risky else None
@@ -335,8 +331,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "decode-first",
         "extension",
-        "the lanes take turns and TPOT misses for requests that outrank every queued prompt, "
-        "none at risk: the decode rows alone",
+        "the lanes take turns and requests behind their TPOT target outrank every queued "
+        "prompt, none at risk: the decode rows alone",
         _decode_first,
     ),
     Rule(
