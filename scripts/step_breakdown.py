@@ -6,9 +6,12 @@ sequences at `--context` tokens each), and times every call of each part of the 
 (wall-clock: CPU ops are synchronous): the projections, the LM head, prefill and decode
 attention with the KV write, norms, RoPE, SiLU * up, the embedding, and the rest (Python and
 tensor glue), plus the runner's input preparation. Each part's floor is its FLOPs over the
-GEMM peak measured here (a 512 x 576 x 3072 GEMM in the model's dtype, best of several) or its
+GEMM peak measured here (a 512 x 576 x 3072 GEMM in the model's dtype, best of several), its
 bytes over the measured bandwidth (a copy beyond the last-level cache where the weights outgrow
-it, one within it where they fit), whichever is larger.
+it, one within it where they fit), or, for prefill attention, its softmax's exponentials over
+the rate of `torch.exp` measured here (one per causal score: with a head of 64 a score costs
+256 FLOPs of GEMM and one exponential, and on two cores the exponentials can outweigh the
+FLOPs), whichever is largest.
 
 `--linear` runs the projections through a given GEMM instead of the one the loader's timing
 picks (`auto`): oneDNN's packed one, our blocked fp32 one, or PyTorch's `F.linear`.
@@ -123,6 +126,14 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / time_call(lambda: dst.copy_(src), lambda: None, 5)
 
 
+def exp_rate() -> float:
+    """Exponentials a second: `torch.exp` of 4 Mi fp32 values (a softmax's inner work), best of
+    a few, on this thread's intra-op threads."""
+    values = torch.randn(4 * 2**20)
+    out = torch.empty_like(values)
+    return values.numel() / time_call(lambda: torch.exp(values, out=out), lambda: None, 5)
+
+
 def measure_peaks(dtype: torch.dtype, weight_bytes: int) -> tuple[float, float, str]:
     """(GEMM FLOP/s, memory bytes/s, where the weights stream from) on this thread's intra-op
     threads. The bandwidth is a copy's of a size that, as the weights, fits the last-level
@@ -143,28 +154,28 @@ def measure_peaks(dtype: torch.dtype, weight_bytes: int) -> tuple[float, float, 
 
 
 def part_work(llm: LLM, rows: int, sampled: int, contexts: list[int], prefill: bool) -> dict:
-    """FLOPs and bytes of each part of one step with `rows` token rows."""
+    """FLOPs, bytes and exponentials of each part of one step with `rows` token rows."""
     c = llm.engine.model_config
     size = llm.engine.dtype.itemsize
     h, q, kv, inter, vocab = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size, c.vocab_size
     layers = c.num_layers
     shapes = {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * inter, h)}
     shapes["down_proj"] = (h, inter)
-    work: dict[str, tuple[float, float]] = {}
+    work: dict[str, tuple[float, float, float]] = {}
     for name, (n, k) in shapes.items():
         flops = 2 * rows * n * k * layers
         data = (n * k + rows * (n + k)) * size * layers
-        work[f"linear {name}"] = (flops, data)
-    work["lm head"] = (2 * sampled * vocab * h, (vocab * h + sampled * vocab * 2) * size)
+        work[f"linear {name}"] = (flops, data, 0.0)
+    work["lm head"] = (2 * sampled * vocab * h, (vocab * h + sampled * vocab * 2) * size, 0.0)
     if prefill:
         # causal: each prompt's queries attend half its keys on average
-        flops = sum(4 * n * n / 2 * c.head_dim * c.num_heads for n in contexts) * layers
+        scores = sum(n * (n + 1) / 2 * c.num_heads for n in contexts) * layers
         data = sum(n * (q + 4 * kv) for n in contexts) * size * layers
-        work["attention prefill + kv write"] = (flops, data)
+        work["attention prefill + kv write"] = (4 * scores * c.head_dim, data, scores)
     else:
         flops = sum(4 * n * c.head_dim * c.num_heads for n in contexts) * layers
         data = sum(n * 2 * kv for n in contexts) * size * layers
-        work["attention decode + kv write"] = (flops, data)
+        work["attention decode + kv write"] = (flops, data, 0.0)
     return work
 
 
@@ -190,7 +201,9 @@ def sequences(llm: LLM, count: int, length: int) -> list[list[int]]:
     return [allocator.allocate(-(-(length + 1) // block)) for _ in range(count)]
 
 
-def report(title: str, result: dict[str, float], work: dict, peaks: tuple[float, float]) -> dict:
+def report(
+    title: str, result: dict[str, float], work: dict, peaks: tuple[float, float, float]
+) -> dict:
     step = result["step"]
     named = {k: v for k, v in result.items() if k != "step"}
     named["other (python, glue)"] = max(0.0, step - sum(named.values()))
@@ -201,8 +214,8 @@ def report(title: str, result: dict[str, float], work: dict, peaks: tuple[float,
     for part, seconds in sorted(named.items(), key=lambda item: -item[1]):
         floor = None
         if part in work:
-            flops, data = work[part]
-            floor = max(flops / peaks[0], data / peaks[1])
+            flops, data, exps = work[part]
+            floor = max(flops / peaks[0], data / peaks[1], exps / peaks[2])
             floor_total += floor
         ratio = f"{seconds / floor:8.1f}" if floor else f"{'':8s}"
         floor_text = f"{floor * 1e3:9.2f}" if floor is not None else f"{'':9s}"
@@ -237,13 +250,14 @@ def main() -> None:
     timers = Timers()
     instrument(llm, timers)
     weight_bytes = llm.engine.model_config.num_parameters() * llm.engine.dtype.itemsize
-    *peaks, source = measure_peaks(llm.engine.dtype, weight_bytes)
+    gemm, bandwidth, source = measure_peaks(llm.engine.dtype, weight_bytes)
+    peaks = (gemm, bandwidth, exp_rate())
     linear = llm.engine.model.packed_linear
     print(
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"{llm.engine.dtype}: GEMM peak {peaks[0] / 1e9:.0f} GFLOP/s, "
         f"copy {peaks[1] / 1e9:.1f} GB/s ({weight_bytes / 2**30:.2f} GiB of weights, streamed "
-        f"from {source}); projections through "
+        f"from {source}), exp {peaks[2] / 1e9:.2f} G/s; projections through "
         f"{'F.linear' if linear is None else type(linear).__name__}"
     )
     vocab = llm.engine.model_config.vocab_size

@@ -254,6 +254,8 @@ def test_they_decide_alike_for_a_mixed_workload(tiny_llama_dir, tmp_path, policy
     assert engine.num_preemptions > 0
     sim = _sim_steps(tmp_path, hw, policy, "auto", requests, tiny_llama_dir, 16, services)
     assert _decisions(steps) == _decisions(sim)
+    if policy == "bullet":  # interactive requests fall behind while batch prompts can wait
+        assert "decode-first" in {s.rule for s in steps}
 
 
 @pytest.mark.parametrize("policy", ["bullet", "chunked"])
