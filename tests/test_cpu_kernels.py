@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,6 +74,7 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, to
         (torch.float32, 4, 4, 16, 1e-5),
         (torch.float32, 8, 1, 128, 1e-5),
         (torch.bfloat16, 9, 3, 64, 2e-2),
+        (torch.bfloat16, 8, 1, 128, 2e-2),
     ],
 )
 # (cached tokens, new tokens) per sequence: whole prompts, later chunks after earlier ones,
@@ -119,6 +121,17 @@ def test_prefill_attention_matches_reference(dtype, heads, kv_heads, head_dim, t
         )
         assert torch.isfinite(out[rows]).all()
         assert torch.allclose(out[rows].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_bf16_prefill_attention_runs_on_amx_wherever_the_cpu_has_it():
+    """On a CPU with AMX (bf16 tiles) the kernel's bf16 path is the tile one, and it is what
+    `test_prefill_attention_matches_reference` checks there; elsewhere the vector path."""
+    kernel = prefill_attention_kernel(torch.bfloat16, 64, 3, torch.device("cpu"))
+    if kernel is None:
+        pytest.skip("no C compiler on this machine")
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert kernel.on_amx == ("amx_bf16" in flags.split())
+    assert not prefill_attention_kernel(torch.float32, 64, 3, torch.device("cpu")).on_amx
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

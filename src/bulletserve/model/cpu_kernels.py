@@ -6,7 +6,8 @@
 - `csrc/cpu_ops.c`: the element-wise chains of a layer fused (residual add + RMSNorm, RoPE in
   place, SiLU * up), each one pass over the activations instead of five to ten PyTorch ops.
 - `csrc/prefill_attention.c`: prefill attention (whole prompts and later chunks after cached
-  ones) reading the paged cache in place, flash-style.
+  ones) reading the paged cache in place, flash-style; bf16 on AMX tiles where the CPU has
+  them (a head dimension of a multiple of 64), AVX-512 bf16 or fp32 vectors elsewhere.
 - `csrc/blocked_linear.c`: an fp32 GEMM over weights packed at load in blocks of 16 columns.
 - `csrc/sampling.c`: the sampler's draw (or argmax) of fp32 logit rows at a temperature without
   top-k or top-p, in two passes over each row where PyTorch's ops take five.
@@ -191,6 +192,8 @@ class PrefillAttentionKernel:
     label: ClassVar[str] = "ours (C), paged in place"
 
     function: ctypes._CFuncPtr
+    # bf16 runs on AMX tiles (compiled for a CPU with AMX, and the OS lends the tiles)
+    on_amx: bool = False
 
     def __call__(
         self,
@@ -254,7 +257,10 @@ def prefill_attention_kernel(
         return None
     argtypes = [_ptr] * 8 + [_long] + [_int] * 6 + [_float, _int]
     name = f"prefill_attention_{_SUFFIX[dtype]}"
-    return PrefillAttentionKernel(_function(library, name, argtypes, ctypes.c_int))
+    on_amx = dtype == torch.bfloat16 and bool(
+        _function(library, "prefill_attention_bf16_on_amx", [], ctypes.c_int)()
+    )
+    return PrefillAttentionKernel(_function(library, name, argtypes, ctypes.c_int), on_amx)
 
 
 # oneDNN picks a weight layout for a row count; the projections' timings hardly differ between

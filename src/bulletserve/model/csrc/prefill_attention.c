@@ -28,7 +28,7 @@
 #endif
 
 #define KEY_SPAN 512    /* keys converted to fp32 at a time (K^T and V: 256 KB at head dim 64) */
-#define QUERY_CHUNK 64  /* query tokens per work item */
+#define QUERY_CHUNK 64  /* query tokens per work item (twice that on AMX tiles) */
 /* Vectors of VL floats, one register each: GCC lowers wider vector types through memory. Sized
  * so that a block's scores and outputs stay in registers (32 of them with AVX-512, 16 with
  * AVX2): ROW_BLOCK rows are accumulated together, the scores of KEY_TILE keys each (TV
@@ -205,9 +205,9 @@ INLINE void softmax_tile(vec s[ROW_BLOCK][TV], const int *pos, int first, int t0
 
 /* The first and last key positions of a block of rows: keys up to `first` are visible to all
  * of them, keys past `limit` to none. */
-INLINE void row_bounds(const int *pos, int *first, int *limit) {
+INLINE void row_bounds(const int *pos, int rows, int *first, int *limit) {
     *first = *limit = pos[0];
-    for (int r = 1; r < ROW_BLOCK; ++r) {
+    for (int r = 1; r < rows; ++r) {
         *limit = pos[r] > *limit ? pos[r] : *limit;
         *first = pos[r] < *first ? pos[r] : *first;
     }
@@ -221,7 +221,7 @@ INLINE void row_bounds(const int *pos, int *first, int *limit) {
 INLINE void attend_rows(const float *qf, const int *pos, float *acc, float *m, float *l,
                         const float *kt, const float *vf, int k0, int k1) {
     int first, limit;
-    row_bounds(pos, &first, &limit);
+    row_bounds(pos, ROW_BLOCK, &first, &limit);
     const int end = limit + 1 < k1 ? limit + 1 : k1;
     if (end <= k0) return;
     float p[ROW_BLOCK][KEY_TILE];
@@ -303,7 +303,7 @@ INLINE void attend_rows_pairs(const uint32_t *qp, const int *pos, float *acc, fl
                               const uint32_t *kp, const uint32_t *vp, int k0, int k1,
                               float scale) {
     int first, limit;
-    row_bounds(pos, &first, &limit);
+    row_bounds(pos, ROW_BLOCK, &first, &limit);
     const int end = limit + 1 < k1 ? limit + 1 : k1;
     if (end <= k0) return;
     float p[ROW_BLOCK][KEY_TILE];
@@ -346,6 +346,180 @@ INLINE void attend_rows_pairs(const uint32_t *qp, const int *pos, float *acc, fl
 #define PAIRS 0
 #endif
 
+#if PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && KEY_TILE == 64 && HEAD_DIM % 64 == 0
+/* bf16 on AMX tiles, 16 rows at a time: a key tile's scores as 16 x 16 fp32 tiles of Q (16
+ * rows x 32 dimensions) times K (16 pairs of dimensions x 16 keys: the staged pairs, read with
+ * a row stride), its weighted values as tiles of P (16 rows x 32 keys) times V (16 pairs of
+ * keys x 16 dimensions: the staged key pairs). The softmax runs on the scores stored from the
+ * tiles; a key tile's weighted values come out of fresh tiles and are added to the rescaled
+ * output in memory. Tiles 0-3 accumulate, 4 holds the A operand and 6 the B operand. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#define AMX_ROWS 16
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux lends a process the tiles' state only once asked; before that the first tile
+ * instruction faults. Asked once (a race asks twice, harmlessly); refused, the vector path
+ * runs. */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0)
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                        18 /* XFEATURE_XTILEDATA */) == 0;
+    return state;
+}
+
+/* Every tile 16 rows of 64 bytes (16 fp32 or 32 bf16); per thread, before its first use. */
+INLINE void amx_configure(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* exp(x) for x <= 0 to the precision of the bf16 weights it becomes (relative error below
+ * 1e-5): 2^n * p(r) with n = round(x / ln2), r in [-ln2/2, ln2/2], p of degree 5; about
+ * 1.6e-38 at and below -87 (a masked score's weight: nothing beside any unmasked one). */
+INLINE __m512 exp_for_bf16(__m512 x) {
+    const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One row's online softmax over a key tile of stored scores: its weights as bf16 in w. */
+INLINE void softmax_row(const float *scores, int pos, int t0, int k1, float scale, float *m,
+                        float *l, float *correction, uint16_t *w) {
+    const int bound = pos < k1 - 1 ? pos : k1 - 1;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    __m512 x[TV];
+    __m512 top = _mm512_set1_ps(MASKED);
+    for (int c = 0; c < TV; ++c) {
+        x[c] = _mm512_mul_ps(_mm512_load_ps(scores + VL * c), scale_v);
+        if (t0 + KEY_TILE - 1 > bound) {
+            const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(t0 + VL * c));
+            const __mmask16 hidden = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(bound));
+            x[c] = _mm512_mask_mov_ps(x[c], hidden, _mm512_set1_ps(MASKED));
+        }
+        top = _mm512_max_ps(top, x[c]);
+    }
+    const float tile_max = _mm512_reduce_max_ps(top);
+    *correction = 1.0f;
+    if (tile_max > *m) {
+        *correction = expf(*m - tile_max);
+        *m = tile_max;
+    }
+    const __m512 max_v = _mm512_set1_ps(*m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < TV; c += 2) {
+        const __m512 low = exp_for_bf16(_mm512_sub_ps(x[c], max_v));
+        const __m512 high = exp_for_bf16(_mm512_sub_ps(x[c + 1], max_v));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
+        const __m512bh h = _mm512_cvtne2ps_pbh(high, low);
+        memcpy(w + VL * c, &h, sizeof h);
+    }
+    *l = *l * *correction + _mm512_reduce_add_ps(sum);
+}
+
+#define SCORES(C)                                                                         \
+    _tile_loadd(6, ktile + (long)(16 * half) * KEY_TILE + 16 * (C), KEY_TILE * 4);       \
+    _tile_dpbf16ps(C, 4, 6)
+#define WEIGH(C)                                                                          \
+    _tile_loadd(6, vp + (long)(j0 / 2 + 16 * half) * HEAD_DIM + 16 * (group + (C)),     \
+                HEAD_DIM * 4);                                                            \
+    _tile_dpbf16ps(C, 4, 6)
+#define STORE(C, base, stride) _tile_stored(C, (base) + 16 * (C), stride)
+
+INLINE void attend_rows_amx(const uint32_t *qp, const int *pos, float *acc, float *m, float *l,
+                            const uint32_t *kp, const uint32_t *vp, int k0, int k1,
+                            float scale) {
+    int first, limit;
+    row_bounds(pos, AMX_ROWS, &first, &limit);
+    const int end = limit + 1 < k1 ? limit + 1 : k1;
+    if (end <= k0) return;
+    float scores[AMX_ROWS][KEY_TILE] __attribute__((aligned(64)));
+    uint16_t weights[AMX_ROWS][KEY_TILE] __attribute__((aligned(64)));
+    float values[AMX_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+    float correction[AMX_ROWS];
+    for (int t0 = k0; t0 < end; t0 += KEY_TILE) {
+        const int j0 = t0 - k0;
+        const uint32_t *ktile = kp + KP_INDEX(j0, 0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int half = 0; half < HEAD_DIM / 32; ++half) {
+            _tile_loadd(4, qp + 16 * half, HEAD_DIM / 2 * 4);
+            SCORES(0);
+            SCORES(1);
+            SCORES(2);
+            SCORES(3);
+        }
+        STORE(0, scores[0], KEY_TILE * 4);
+        STORE(1, scores[0], KEY_TILE * 4);
+        STORE(2, scores[0], KEY_TILE * 4);
+        STORE(3, scores[0], KEY_TILE * 4);
+        for (int r = 0; r < AMX_ROWS; ++r)
+            softmax_row(scores[r], pos[r], t0, k1, scale, m + r, l + r, correction + r,
+                        weights[r]);
+        for (int group = 0; group < HEAD_DIM / 16; group += 4) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int half = 0; half < KEY_TILE / 32; ++half) {
+                _tile_loadd(4, weights[0] + 32 * half, KEY_TILE * 2);
+                WEIGH(0);
+                WEIGH(1);
+                WEIGH(2);
+                WEIGH(3);
+            }
+            STORE(0, values[0] + 16 * group, HEAD_DIM * 4);
+            STORE(1, values[0] + 16 * group, HEAD_DIM * 4);
+            STORE(2, values[0] + 16 * group, HEAD_DIM * 4);
+            STORE(3, values[0] + 16 * group, HEAD_DIM * 4);
+        }
+        for (int r = 0; r < AMX_ROWS; ++r)
+            for (int d = 0; d < DV; ++d) {
+                float *out = acc + (long)r * HEAD_DIM + VL * d;
+                vstore(out, vload(out) * correction[r] + vload(values[r] + VL * d));
+            }
+    }
+}
+#else
+#define AMX 0
+#endif
+
+/* Query tokens per work item. On AMX tiles twice as many: an item stages its keys and values
+ * for every span of its context, and there that staging weighs more beside the compute. */
+static int query_chunk(int bf16) {
+#if AMX
+    if (bf16 && amx_permitted()) return 2 * QUERY_CHUNK;
+#endif
+    (void)bf16;
+    return QUERY_CHUNK;
+}
+
 /* One item: sequence `seq`'s query tokens [c0, c1) for KV head kv. Returns 1 when out of
  * memory. */
 INLINE int attend_item(const Args *a, const int32_t *query_starts, const int32_t *cached_lens,
@@ -353,7 +527,13 @@ INLINE int attend_item(const Args *a, const int32_t *query_starts, const int32_t
     const int cached = cached_lens[seq];
     const int tokens = c1 - c0;
     const int rows = tokens * GROUP;
-    const int padded_rows = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+#if AMX
+    const int amx = bf16 && amx_permitted();
+    const int block = amx ? AMX_ROWS : ROW_BLOCK;
+#else
+    const int block = ROW_BLOCK;
+#endif
+    const int padded_rows = (rows + block - 1) / block * block;
     const size_t floats = (size_t)padded_rows * (2 * HEAD_DIM + 2)
                           + (size_t)2 * KEY_SPAN * HEAD_DIM;
     float *qf = malloc(sizeof(float) * floats + sizeof(int) * (size_t)padded_rows);
@@ -390,6 +570,17 @@ INLINE int attend_item(const Args *a, const int32_t *query_starts, const int32_t
             /* the raw bf16 pairs of q; the scale is applied to the scores */
             uint32_t *qp = (uint32_t *)qf, *kp = (uint32_t *)kt, *vp = (uint32_t *)vf;
             stage_pairs(a, table, kv, k0, k1, kp, vp);
+#if AMX
+            if (amx) {
+                if (k0 == 0) amx_configure();
+                for (int r = 0; r < padded_rows; r += AMX_ROWS)
+                    attend_rows_amx(qp + (long)r * (HEAD_DIM / 2), pos + r,
+                                    acc + (long)r * HEAD_DIM, m + r, l + r, kp, vp, k0, k1,
+                                    a->scale);
+                if (k1 == keys) _tile_release();
+                continue;
+            }
+#endif
             for (int r = 0; r < padded_rows; r += ROW_BLOCK)
                 attend_rows_pairs(qp + (long)r * (HEAD_DIM / 2), pos + r,
                                   acc + (long)r * HEAD_DIM, m + r, l + r, kp, vp, k0, k1, a->scale);
@@ -426,9 +617,10 @@ INLINE int attend_item(const Args *a, const int32_t *query_starts, const int32_t
         if (head_dim != HEAD_DIM || num_heads != num_kv_heads * GROUP) return 2;                  \
         const Args a = {q, k_cache, v_cache, out, block_tables, q_stride, max_blocks, num_heads,  \
                         num_kv_heads, block_size, scale};                                         \
+        const int chunk_len = query_chunk(BF16);                                                  \
         long items = 0;                                                                           \
         for (int s = 0; s < num_seqs; ++s)                                                        \
-            items += (long)(query_lens[s] + QUERY_CHUNK - 1) / QUERY_CHUNK * num_kv_heads;        \
+            items += (long)(query_lens[s] + chunk_len - 1) / chunk_len * num_kv_heads;            \
         int failed = 0;                                                                           \
         _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1)")                 \
         for (long item = 0; item < items; ++item) {                                               \
@@ -436,18 +628,27 @@ INLINE int attend_item(const Args *a, const int32_t *query_starts, const int32_t
             long left = items - 1 - item;                                                         \
             int s = 0;                                                                            \
             for (; s < num_seqs; ++s) {                                                           \
-                const long here = (long)(query_lens[s] + QUERY_CHUNK - 1) / QUERY_CHUNK           \
+                const long here = (long)(query_lens[s] + chunk_len - 1) / chunk_len              \
                                   * num_kv_heads;                                                 \
                 if (left < here) break;                                                           \
                 left -= here;                                                                     \
             }                                                                                     \
             const int chunk = (int)(left / num_kv_heads), kv = (int)(left % num_kv_heads);        \
-            const int c0 = chunk * QUERY_CHUNK;                                                   \
-            const int c1 = c0 + QUERY_CHUNK < query_lens[s] ? c0 + QUERY_CHUNK : query_lens[s];  \
+            const int c0 = chunk * chunk_len;                                                     \
+            const int c1 = c0 + chunk_len < query_lens[s] ? c0 + chunk_len : query_lens[s];      \
             if (attend_item(&a, query_starts, cached_lens, s, kv, c0, c1, BF16)) failed = 1;      \
         }                                                                                         \
         return failed;                                                                            \
     }
+
+/* 1 where bf16 runs on AMX tiles: compiled for a CPU with AMX, and the OS lends the tiles. */
+int prefill_attention_bf16_on_amx(void) {
+#if AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 DEFINE_PREFILL_ATTENTION(prefill_attention_bf16, 1)
 DEFINE_PREFILL_ATTENTION(prefill_attention_f32, 0)
