@@ -56,8 +56,10 @@ def server_command(
             if chunk:
                 command += ["--max-num-batched-tokens", chunk]
         return command, PEER_MODEL
+    # Prefix caching off as the peer runs it: the client repeats its seeded prompts at every
+    # rate, which a cache would turn into hits after the first.
     command = [str(ROOT / ".venv" / "bin" / "bullet"), "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--policy", policy, *extra]
+    command += ["--port", str(port), "--policy", policy, "--no-enable-prefix-caching", *extra]
     if chunk:
         command += ["--chunked-prefill-size", chunk]
     return command, "SmolLM2-135M-Instruct"
