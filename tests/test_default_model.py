@@ -57,14 +57,17 @@ def test_the_vllm_shaped_api_on_the_default_model(llm_fp32):
         (sequence,) = output.outputs
         assert len(sequence.token_ids) == 8 and sequence.finish_reason == "length"
         assert sequence.text == llm_fp32.tokenizer.decode(sequence.token_ids)
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    # Asked so, SmolLM2-135M's first token leads by 1.4 nats in fp32 and bf16 alike; asked "What is
+    # the capital of France?" by 0.08 in fp32, so that two bf16 attention kernels of equal error
+    # (ours on AMX tiles, PyTorch's SDPA) answered it differently.
+    chat = [{"role": "user", "content": "Name the capital of France."}]
     answer = llm_fp32.chat(chat, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert "Paris" in answer[0].outputs[0].text
 
 
 def test_cli_answers_paris():
     command = [sys.executable, "-m", "bulletserve.cli", "generate", "--chat", "--temperature", "0"]
-    command += ["--prompt", "What is the capital of France?", "--max-tokens", "32"]
+    command += ["--prompt", "Name the capital of France.", "--max-tokens", "32"]  # as above
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

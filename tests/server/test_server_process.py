@@ -109,9 +109,12 @@ def test_default_model_answers_through_the_openai_client(tmp_path):
             base_url=server.url + "/v1", api_key="unused", max_retries=0, http_client=http
         )
         assert [m.id for m in client.models.list().data] == ["smol"]
+        # Asked so, SmolLM2-135M's first token leads by 1.4 nats in fp32 and bf16 alike; asked
+        # "What is the capital of France?" by 0.08 in fp32, so that two bf16 attention kernels
+        # of equal error (ours on AMX tiles, PyTorch's SDPA) answered it differently.
         reply = client.chat.completions.create(
             model="smol",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": "Name the capital of France."}],
             max_tokens=24,
             temperature=0,
         )
