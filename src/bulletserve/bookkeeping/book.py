@@ -72,12 +72,24 @@ class RequestBook(Generic[E]):
     def enqueue(self, request: E) -> None:
         """A new request joins the queue behind every waiting request of its priority or a
         higher one (a lower value)."""
-        waiting = self.waiting
-        if not waiting or waiting[-1].priority <= request.priority:
-            waiting.append(request)
-            return
-        place = next(i for i, r in enumerate(waiting) if r.priority > request.priority)
-        waiting.insert(place, request)
+        if not self.waiting or self.waiting[-1].priority <= request.priority:
+            self.waiting.append(request)  # every request alike under FCFS: no scan
+        else:
+            self._insert(request, behind_equals=True)
+
+    def _insert(self, request: E, behind_equals: bool) -> None:
+        """Into the queue before the first waiting request of a lower priority (a higher
+        value), and with `behind_equals` False, before those of its own too."""
+        place = next(
+            (
+                i
+                for i, r in enumerate(self.waiting)
+                if r.priority > request.priority
+                or (not behind_equals and r.priority == request.priority)
+            ),
+            len(self.waiting),
+        )
+        self.waiting.insert(place, request)
 
     def overdue(self, now: float, limit_s: float) -> list[E]:
         """Waiting requests that no step has begun (never admitted, nothing computed) and that
@@ -120,11 +132,7 @@ class RequestBook(Generic[E]):
             request.num_preemptions += 1
             self.num_preemptions += 1
         for request in reversed(preempted):
-            place = next(
-                (i for i, r in enumerate(self.waiting) if r.priority >= request.priority),
-                len(self.waiting),
-            )
-            self.waiting.insert(place, request)
+            self._insert(request, behind_equals=False)
         return preempted
 
     def grow_blocks(self, request: E, num_tokens: int) -> None:

@@ -48,14 +48,17 @@ class Estimator:
         )
         return self.predict(es).prefill_s
 
-    def at_risk(self, seq: SeqView, now: float) -> bool:
-        """Whether a waiting prompt's prefill alone, started now, would pass the risk share of
-        its TTFT budget. The budget is its whole prompt's (what the SLO is scored on), the work
-        only what its cached prefix leaves."""
-        budget = self.slo_of(seq).ttft_s(seq.num_tokens)
-        waited = now - seq.arrival_time
+    def ttft_outlook(self, seq: SeqView, now: float) -> tuple[float, float]:
+        """(a waiting prompt's TTFT were its prefill to start now, alone on every unit; its TTFT
+        target). The target is its whole prompt's (what the SLO is scored on), the work only
+        what its cached prefix leaves."""
         work = self.prefill_s(seq.num_remaining, seq.num_computed_tokens)
-        return waited + work >= self.params.risk_share * budget
+        return now - seq.arrival_time + work, self.slo_of(seq).ttft_s(seq.num_tokens)
+
+    def at_risk(self, seq: SeqView, now: float) -> bool:
+        """Whether a waiting prompt's TTFT outlook passes the risk share of its target."""
+        ttft, target = self.ttft_outlook(seq, now)
+        return ttft >= self.params.risk_share * target
 
     def rank(self, seq: SeqView) -> tuple[int, float]:
         """Which request comes first (the smaller): the higher priority, then the tighter TPOT
@@ -74,8 +77,8 @@ class Estimator:
     def past_deadline(self, seq: SeqView, now: float) -> bool:
         """Whether a waiting prompt would miss its TTFT target even if its prefill started now,
         alone on every unit."""
-        work = self.prefill_s(seq.num_remaining, seq.num_computed_tokens)
-        return now - seq.arrival_time + work > self.slo_of(seq).ttft_s(seq.num_tokens)
+        ttft, target = self.ttft_outlook(seq, now)
+        return ttft > target
 
     def alone_s(
         self,

@@ -181,12 +181,15 @@ class BulletPolicy:
         first, earliest deadline (each its own TTFT target) first, then the rest by least
         predicted latency."""
         est = est or self.estimator(snap.corrections, snap.decoding)
-        at_risk = [s for s in snap.waiting if est.at_risk(s, snap.now)]
-        risky = {s.request_id for s in at_risk}
-        rest = [s for s in snap.waiting if s.request_id not in risky]
-        lost = [s for s in at_risk if est.past_deadline(s, snap.now)]
-        lost_ids = {s.request_id for s in lost}
-        at_risk = [s for s in at_risk if s.request_id not in lost_ids]
+        at_risk, rest, lost = [], [], []
+        for seq in snap.waiting:  # one prediction each (Estimator.at_risk, past_deadline)
+            ttft, target = est.ttft_outlook(seq, snap.now)
+            if ttft > target:
+                lost.append(seq)
+            elif ttft >= est.params.risk_share * target:
+                at_risk.append(seq)
+            else:
+                rest.append(seq)
         at_risk.sort(key=lambda s: s.arrival_time + est.slo_of(s).ttft_s(s.num_tokens))
         rest.sort(key=lambda s: (s.num_remaining, s.arrival_time))
         return sorted(at_risk + rest + lost, key=lambda s: s.priority)

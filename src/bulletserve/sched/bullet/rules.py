@@ -72,8 +72,10 @@ class Situation:
         if not self.batch:
             return False
         est, now = self.est, self.snap.now
-        lagging = [est.rank(s) for s in self.snap.decoding if est.behind_tpot(s, now)]
-        return bool(lagging) and min(lagging) < min(map(est.rank, self.batch))
+        first_prompt = min(map(est.rank, self.batch))
+        return any(
+            est.rank(s) < first_prompt and est.behind_tpot(s, now) for s in self.snap.decoding
+        )
 
     @cached_property
     def ttft_ok(self) -> bool:
