@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# The tightest target a request may be held to: 1 microsecond, in ms. Below it a target is no
+# latency any device reaches, and a target that underflows to 0 s would divide the latency
+# window's ratios by zero.
+MIN_TARGET_MS = 1e-3
+# The loosest: about 11.6 days, in ms; past it a target's arithmetic stops being exact.
+MAX_TARGET_MS = 1e9
 
 
 @dataclass(frozen=True)
@@ -16,6 +24,18 @@ class SLO:
     ttft_per_token_ms: float
     tpot_ms: float
     ttft_base_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_per_token_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and MIN_TARGET_MS <= value <= MAX_TARGET_MS):
+                raise ValueError(
+                    f"{name} must be in [{MIN_TARGET_MS:g}, {MAX_TARGET_MS:g}] ms, got {value!r}"
+                )
+        if not (math.isfinite(self.ttft_base_ms) and 0 <= self.ttft_base_ms <= MAX_TARGET_MS):
+            raise ValueError(
+                f"ttft_base_ms must be in [0, {MAX_TARGET_MS:g}] ms, got {self.ttft_base_ms!r}"
+            )
 
     def ttft_limit_ms(self, input_len: int) -> float:
         return self.ttft_base_ms + self.ttft_per_token_ms * max(input_len, 1)
@@ -51,8 +71,6 @@ def parse_targets(text: str) -> SLO:
         numbers = []
     if len(numbers) not in (2, 3):
         raise ValueError("two or three numbers")
-    if not (numbers[0] > 0 and numbers[1] > 0 and (len(numbers) < 3 or numbers[2] >= 0)):
-        raise ValueError("the targets must be positive and the fixed part at least 0")
     return SLO(*numbers)
 
 

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from bulletserve.sched.slo import MIN_TARGET_MS
+
 SEED_RANGE = {"ge": -(2**63), "le": 2**64 - 1}  # what torch.Generator.manual_seed accepts
 # Choices one request may ask for (n, best_of, prompts x n): a bound, so that one request
 # cannot queue thousands of sequences.
@@ -189,8 +191,8 @@ class SLOTargets(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
-    ttft_per_token_ms: Annotated[float, Field(gt=0, le=1e6)]
-    tpot_ms: Annotated[float, Field(gt=0, le=1e6)]
+    ttft_per_token_ms: Annotated[float, Field(ge=MIN_TARGET_MS, le=1e6)]
+    tpot_ms: Annotated[float, Field(ge=MIN_TARGET_MS, le=1e6)]
     ttft_base_ms: Annotated[float, Field(ge=0, le=1e7)] = 0.0
 
 
