@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from bulletserve.engine.client import EngineStats, ModelFront
+from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import HANDOFF_WAIT_S, EngineConfig
 from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.factory import create_engine
@@ -106,6 +106,11 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput after every step that advanced the request, the last one
         finished. ValueError (bad input) is raised before the first yield."""
+        decoding = None
+        if DecodingState.needs_work_off_loop(params):
+            # A grammar to compile or words to tokenize: never on the event loop. Built before
+            # the request exists, so a client that leaves meanwhile leaves nothing behind.
+            decoding = await asyncio.to_thread(self.engine.front.decoding_state, params)
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         with self._streams_lock:
             if request_id in self._streams:
@@ -117,7 +122,7 @@ class AsyncEngine:
             if not self.healthy:
                 raise EngineDeadError(f"the engine has failed: {self.error!r}")
             self.engine.add_request(
-                prompt, params, request_id, arrival_time or time.monotonic(), service
+                prompt, params, request_id, arrival_time or time.monotonic(), service, decoding
             )
             self._wake.set()
             while not finished:

@@ -19,6 +19,7 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.grammar_limits import GrammarLimits
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingDefaults, SamplingParams
 from bulletserve.engine.structured import GrammarCompiler, GrammarState
@@ -46,6 +47,7 @@ class ModelFront:
     eos_token_ids: frozenset[int] = frozenset()
     # What a request that leaves out a sampling setting gets (--generation-config).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     @classmethod
     def load(cls, config: EngineConfig, source: ModelSource | None = None) -> ModelFront:
@@ -60,12 +62,20 @@ class ModelFront:
             model_config.vocab_size,
             stop_token_ids(tokenizer, model_config.eos_token_ids),
             sampling_defaults(config.generation_config, source),
+            config.grammar_limits,
         )
 
     @cached_property
     def grammars(self) -> GrammarCompiler:
         """Structured outputs' compiler for this tokenizer and vocabulary (cached grammars)."""
-        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return GrammarCompiler(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, self.grammar_limits
+        )
+
+    def close(self) -> None:
+        """Stop the grammar compiler processes, where any were started."""
+        if "grammars" in self.__dict__:
+            self.grammars.close()
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -94,21 +104,34 @@ class ModelFront:
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name} token ids must be in [0, {self.vocab_size})")
 
-    def decoding_state(self, params: SamplingParams) -> tuple[GrammarState | None, list[list[int]]]:
+    def decoding_state(self, params: SamplingParams) -> DecodingState:
         """A new request's own decoding state: its grammar's matcher (the grammar compiled, or
         found in the cache) and its bad words as token sequences, each as it tokenizes alone
-        and after a space (vLLM's two spellings)."""
+        and after a space (vLLM's two spellings). Tokenizes and may compile: off the event
+        loop where it is heavy (`needs_work_off_loop`)."""
         self.check_sampling(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.state(params.structured_outputs)
-        bad_words: list[list[int]] = []
-        for word in params.bad_words:
-            for spelling in (word, " " + word.lstrip(" ")):
-                ids = self.tokenizer.encode(spelling, add_special_tokens=False)
-                if ids and ids not in bad_words:
-                    bad_words.append(ids)
-        return grammar, bad_words
+        spellings = [s for w in params.bad_words for s in (w, " " + w.lstrip(" "))]
+        bad_words: dict[tuple[int, ...], None] = {}  # in order, each once
+        if spellings:
+            encoded = self.tokenizer(spellings, add_special_tokens=False)["input_ids"]
+            bad_words.update((tuple(ids), None) for ids in encoded if ids)
+        return DecodingState(grammar, [list(ids) for ids in bad_words])
+
+
+@dataclass
+class DecodingState:
+    """What a request carries to constrain its tokens (ModelFront.decoding_state)."""
+
+    grammar: GrammarState | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+
+    @staticmethod
+    def needs_work_off_loop(params: SamplingParams) -> bool:
+        """Whether building it may take long: a grammar to compile, or words to tokenize."""
+        return params.structured_outputs is not None or bool(params.bad_words)
 
 
 def sampling_defaults(setting: str, source: ModelSource) -> SamplingDefaults:

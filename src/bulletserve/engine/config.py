@@ -7,6 +7,13 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from bulletserve.engine.grammar_limits import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    DEFAULT_COMPILE_WORKERS,
+    DEFAULT_GRAMMAR_CACHE_MB,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    GrammarLimits,
+)
 from bulletserve.model.source import LOAD_FORMATS
 from bulletserve.sched import POLICIES, SLO, SchedulerConfig
 from bulletserve.sched.base import SCHEDULING_POLICIES
@@ -44,6 +51,11 @@ class EngineConfig(SchedulerConfig):
     # Sampling defaults: auto (the model's generation_config.json), vllm (ours), or a folder.
     generation_config: str = "auto"
     hardware_profile: str | None = None  # a `bullet profile` JSON; default: measured at start
+    # Structured outputs' bounds (engine/grammar_limits.py).
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
+    grammar_cache_mb: int = DEFAULT_GRAMMAR_CACHE_MB
+    grammar_compile_workers: int = DEFAULT_COMPILE_WORKERS
     step_log: str | None = None  # a JSON line per lane step
 
     def __post_init__(self) -> None:
@@ -68,6 +80,7 @@ class EngineConfig(SchedulerConfig):
                 f"--slo-ttft-base-ms must be in [0, {MAX_TARGET_MS:g}] ms, "
                 f"got {self.slo_ttft_base_ms}"
             )
+        self.grammar_limits  # noqa: B018 - raises ValueError naming the flag out of range
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
@@ -82,6 +95,15 @@ class EngineConfig(SchedulerConfig):
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(
+            self.max_grammar_bytes,
+            self.grammar_compile_timeout,
+            self.grammar_cache_mb * 1024 * 1024,
+            self.grammar_compile_workers,
+        )
 
     @property
     def slo(self) -> SLO:
@@ -283,6 +305,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on CUDA, run decode steps eagerly; by default they replay as CUDA graphs, one per "
         "batch bucket and SM group",
+    )
+    grammar = parser.add_argument_group("structured outputs")
+    grammar.add_argument(
+        "--max-grammar-bytes",
+        type=int,
+        default=default["max_grammar_bytes"],
+        help="the largest JSON schema, regex, EBNF grammar or choice list a request may send "
+        "(bytes; larger is a 400 before anything is compiled)",
+    )
+    grammar.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=default["grammar_compile_timeout"],
+        help="seconds a request may wait for its grammar to be compiled, queued and compiling; "
+        "past them the compile is stopped and the request gets a 400",
+    )
+    grammar.add_argument(
+        "--grammar-cache-mb",
+        type=int,
+        default=default["grammar_cache_mb"],
+        help="memory kept for compiled grammars, reused by requests that ask the same (MiB)",
+    )
+    grammar.add_argument(
+        "--grammar-compile-workers",
+        type=int,
+        default=default["grammar_compile_workers"],
+        help="grammar compiler processes (each compiles one grammar at a time, at a lower CPU "
+        "priority than serving)",
     )
     bullet = add_scheduler_args(parser, group)
     bullet.add_argument(

@@ -21,7 +21,7 @@ import torch
 from bulletserve.bookkeeping.book import RequestBook
 from bulletserve.bookkeeping.clock import Clock, RealClock
 from bulletserve.dist.parallel import TensorParallel
-from bulletserve.engine.client import EngineStats, ModelFront
+from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import DecodeGraphs
 from bulletserve.engine.lanes import Lanes
@@ -214,9 +214,11 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         service: ServiceClass = ServiceClass(),
+        decoding: DecodingState | None = None,
     ) -> str:
         """Queue a request; raises ValueError for bad input before anything is queued.
-        `service`: its priority and SLO (None: the server's, `--slo-*`)."""
+        `service`: its priority and SLO (None: the server's, `--slo-*`); `decoding`: its
+        `front.decoding_state(params)` where the caller built it already (off its loop)."""
         check_priority(service.priority, self.config.scheduling_policy)
         if params.n != 1:
             raise ValueError(
@@ -225,7 +227,7 @@ class LLMEngine:
             )
         token_ids = self.tokenize(prompt)
         self.check_prompt(token_ids)
-        grammar, bad_words_ids = self.front.decoding_state(params)
+        decoding = decoding or self.front.decoding_state(params)
         request = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt=prompt if isinstance(prompt, str) else None,
@@ -234,8 +236,8 @@ class LLMEngine:
             timings=RequestTimings(arrival=arrival_time or self.clock.now()),
             stop_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else self.eos_token_ids),
-            grammar=grammar,
-            bad_words_ids=bad_words_ids,
+            grammar=decoding.grammar,
+            bad_words_ids=decoding.bad_words_ids,
             service=replace(service, slo=service.slo or self.config.slo),
         )
         if params.seed is not None:
@@ -325,6 +327,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the executor's background work, the other ranks, and close the step log."""
         self.executor.close()
+        self.front.close()
         self._close_ranks()
         if self.step_log:
             self.step_log.close()

@@ -3,33 +3,44 @@ expression, one of a list of choices, or an EBNF grammar, through xgrammar (the 
 vLLM and SGLang use).
 
 A `StructuredOutputs` is the request's wish, plain data. `GrammarCompiler` (one per tokenizer,
-in `ModelFront`) compiles it, cached by the spec, so the server compiles on a worker thread
-before the engine sees the request and the engine's own compile is a cache hit. Each request
-gets a `GrammarState` (xgrammar's matcher) that the sampler asks for the tokens allowed next
-and the engine advances with every token it appends; preemption keeps a request's output
-tokens, so the matcher never has to go back.
+in `ModelFront`) checks it against the bounds (`grammar_limits.py`: its size, its schema's shape,
+keywords xgrammar would ignore), compiles it in a compiler process (`grammar_pool.py`: a
+deadline, and a compile whose requesters all left is stopped) and keeps the compiled grammars
+in a cache bounded in bytes, so the server compiles before the engine sees the request and the
+engine's own compile is a cache hit. Each request gets a `GrammarState` (xgrammar's matcher)
+that the sampler asks for the tokens allowed next and the engine advances with every token it
+appends; preemption keeps a request's output tokens, so the matcher never has to go back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from bulletserve.engine.grammar_limits import (
+    GrammarLimitError,
+    GrammarLimits,
+    check_schema,
+    check_size,
+)
+from bulletserve.engine.grammar_pool import CompileFailed, CompileJob, CompilePool
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 StructureKind = Literal["json", "json_object", "regex", "choice", "grammar"]
-# Compiled grammars kept per compiler (a schema's compiled form is tens of KB to a few MB).
-COMPILED_CACHE_SIZE = 128
 
 
 class GrammarError(ValueError):
-    """A schema, regex or grammar that cannot be compiled (a 400 at the API)."""
+    """A schema, regex or grammar that cannot be compiled or is past a bound (a 400 at the
+    API)."""
 
 
 @dataclass(frozen=True)
@@ -52,77 +63,193 @@ class StructuredOutputs:
         elif self.kind in ("json", "regex", "grammar") and not self.spec:
             raise GrammarError(f"structured output {self.kind!r} needs a non-empty spec")
 
+    @property
+    def size(self) -> int:
+        """Its bytes: the spec's, or the choices' (with a separator each)."""
+        if self.kind == "choice":
+            return sum(len(c.encode()) + 1 for c in self.choices)
+        return len(self.spec.encode())
+
 
 class GrammarCompiler:
     """Compiles `StructuredOutputs` for one tokenizer and vocabulary (the model's logits width),
-    with the model's stop tokens as what ends a complete structure. xgrammar is imported on first
-    use (about 3 s), so servers that never see a structured request never pay for it."""
+    with the model's stop tokens as what ends a complete structure, within `limits`. xgrammar
+    is imported and the compiler processes started on first use (a few seconds), so servers
+    that never see a structured request never pay for them."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_ids: frozenset[int]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_ids: frozenset[int],
+        limits: GrammarLimits | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_ids = sorted(stop_ids)
-        self._compiler: Any = None
-        self._lock = threading.Lock()
+        self.limits = limits or GrammarLimits()
+        self._info: Any = None
+        self._pool: CompilePool | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # the cache's
+        self._start_lock = threading.Lock()  # the compiler processes' start (seconds)
         self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+        self._cache_sizes: dict[StructuredOutputs, int] = {}
+        self.cache_bytes = 0
 
-    def _xgrammar_compiler(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar
-
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_ids
-                )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-            return self._compiler
+    def check(self, structure: StructuredOutputs) -> None:
+        """GrammarError where `structure` is past a bound or asks what cannot be enforced
+        (before anything is compiled)."""
+        try:
+            check_size(_NAMES[structure.kind], structure.size, self.limits)
+            if structure.kind == "json":
+                try:
+                    schema = json.loads(structure.spec)
+                except (json.JSONDecodeError, RecursionError) as exc:
+                    raise GrammarError(f"the schema is not JSON ({exc})") from None
+                check_schema(schema)
+        except GrammarLimitError as exc:
+            raise GrammarError(str(exc)) from None
 
     def compile(self, structure: StructuredOutputs) -> Any:
-        """xgrammar's compiled grammar for `structure` (cached); GrammarError if it is invalid."""
-        with self._lock:
-            if structure in self._cache:
-                self._cache.move_to_end(structure)
-                return self._cache[structure]
-        compiler = self._xgrammar_compiler()
+        """xgrammar's compiled grammar for `structure` (cached), waiting for the compiler on
+        this thread; GrammarError if it is invalid, past a bound or does not compile in time."""
+        self.check(structure)
+        compiled = self._cached(structure)
+        if compiled is not None:
+            return compiled
+        pool, job = self._submit(structure)
         try:
-            compiled = _compile(compiler, structure)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise GrammarError(f"invalid {structure.kind} for structured output: {exc}") from None
-        with self._lock:
-            self._cache[structure] = compiled
-            while len(self._cache) > COMPILED_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
+            reply = job.result.result()
+        except CompileFailed as exc:
+            raise _not_compiled(structure, exc) from None
+        finally:
+            pool.leave(job)
+        return self._store(structure, reply)
+
+    async def compile_async(self, structure: StructuredOutputs) -> Any:
+        """As `compile`, for the event loop: nothing heavy runs on it, and a requester that is
+        cancelled (its client left) stops waiting at once, the compile ended where no one else
+        waits for it."""
+        self.check(structure)
+        compiled = self._cached(structure)
+        if compiled is not None:
+            return compiled
+        submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, structure))
+        try:
+            pool, job = await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            submitting.add_done_callback(_leave_when_submitted)
+            raise
+        try:
+            reply = await _settled(job.result)
+        except CompileFailed as exc:
+            raise _not_compiled(structure, exc) from None
+        finally:
+            pool.leave(job)
+        return await asyncio.to_thread(self._store, structure, reply)
 
     def state(self, structure: StructuredOutputs) -> GrammarState:
         return GrammarState(self.compile(structure))
 
+    def close(self) -> None:
+        """Stop the compiler processes; compiles in flight fail."""
+        with self._start_lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
-def _compile(compiler: Any, structure: StructuredOutputs) -> Any:
-    kind = structure.kind
-    if kind == "json":
+    def _cached(self, structure: StructuredOutputs) -> Any:
+        with self._lock:
+            compiled = self._cache.get(structure)
+            if compiled is not None:
+                self._cache.move_to_end(structure)
+            return compiled
+
+    def _store(self, structure: StructuredOutputs, reply: dict[str, str]) -> Any:
+        if "error" in reply:
+            raise GrammarError(f"invalid {structure.kind} for structured output: {reply['error']}")
+        import xgrammar
+
+        compiled = xgrammar.CompiledGrammar.deserialize_json(reply["compiled"], self._info)
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            if structure not in self._cache and size <= self.limits.cache_bytes:
+                self._cache[structure] = compiled
+                self._cache_sizes[structure] = size
+                self.cache_bytes += size
+                while self.cache_bytes > self.limits.cache_bytes:
+                    evicted, _ = self._cache.popitem(last=False)
+                    self.cache_bytes -= self._cache_sizes.pop(evicted)
+        return compiled
+
+    def _submit(self, structure: StructuredOutputs) -> tuple[CompilePool, CompileJob]:
+        message = {"kind": structure.kind, "spec": structure.spec, "choices": structure.choices}
+        pool = self._pool_or_start()
         try:
-            json.loads(structure.spec)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the schema is not JSON ({exc})") from None
-        return compiler.compile_json_schema(structure.spec, any_whitespace=False)
-    if kind == "json_object":
-        # An object, as OpenAI's json_object means (xgrammar's built-in JSON grammar takes any
-        # JSON value, and any run of whitespace between tokens).
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-    if kind == "regex":
-        return compiler.compile_regex(structure.spec)
-    if kind == "choice":
-        return compiler.compile_regex("|".join(_regex_literal(c) for c in structure.choices))
-    return compiler.compile_grammar(structure.spec)
+            return pool, pool.submit(structure, message, self.limits.compile_timeout_s)
+        except CompileFailed as exc:
+            raise _not_compiled(structure, exc) from None
+
+    def _pool_or_start(self) -> CompilePool:
+        with self._start_lock:
+            if self._closed:
+                raise GrammarError("the server is shutting down: no grammar is compiled")
+            if self._pool is None:
+                import xgrammar
+
+                self._info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_ids
+                )
+                self._pool = CompilePool(self._info.serialize_json(), self.limits.compile_workers)
+            return self._pool
 
 
-def _regex_literal(text: str) -> str:
-    """`text` as a regular expression that matches it alone (xgrammar's regex dialect)."""
-    special = set("\\^$.|?*+()[]{}/")
-    return "(" + "".join("\\" + ch if ch in special else ch for ch in text) + ")"
+_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "grammar",
+}
+
+
+def _not_compiled(structure: StructuredOutputs, exc: CompileFailed) -> GrammarError:
+    name = _NAMES[structure.kind]
+    return GrammarError(f"the {name} for structured output was not compiled: {exc}")
+
+
+def _leave_when_submitted(submitting: asyncio.Future) -> None:
+    """Its requester was cancelled while the job was being submitted: it leaves the job."""
+    if not submitting.cancelled() and submitting.exception() is None:
+        pool, job = submitting.result()
+        pool.leave(job)
+
+
+async def _settled(result: Future) -> Any:
+    """`result`'s value, awaited without tying its fate to the awaiting task: cancelling the
+    task leaves `result` alone (other requesters may share it)."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[Any] = loop.create_future()
+
+    def copy(done: Future) -> None:
+        if waiter.done():
+            return
+        error = done.exception()
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(done.result())
+
+    def settle(done: Future) -> None:
+        try:
+            loop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    result.add_done_callback(settle)
+    return await waiter
 
 
 class GrammarState:

@@ -269,6 +269,7 @@ class RayReplicas:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self.front.close()
         ray = self._ray
         alive = [r.actor for r in self._replicas if r.error is None]
         try:

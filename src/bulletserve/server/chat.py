@@ -151,7 +151,7 @@ class ChatServing:
         admission = serving.admit(body, width)
         try:
             service = serving.service(body)
-            structure = await serving.structure(body)
+            structure = await serving.structure(body, request)
             prompt_ids = serving.truncated(body, await self.prompt_ids(body.messages, body))
             max_tokens = body.max_completion_tokens or body.max_tokens
             if body.logprobs:

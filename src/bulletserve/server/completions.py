@@ -63,7 +63,7 @@ class CompletionServing:
         admission = serving.admit(body, width * len(prompts))
         try:
             service = serving.service(body)
-            structure = await serving.structure(body)
+            structure = await serving.structure(body, request)
             choices, echoes = [], []
             for p, prompt in enumerate(prompts):
                 ids = await self.prompt_ids(prompt, body.add_special_tokens)

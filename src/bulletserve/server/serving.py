@@ -157,14 +157,27 @@ class Serving:
             return work(*args)
         return await asyncio.to_thread(work, *args)
 
-    async def structure(self, body: SamplingFields) -> StructuredOutputs | None:
-        """The structured output the request asks for, compiled (on a worker thread; cached by
-        spec, so the engine's own compile finds it): a 400 naming the field if it cannot be."""
+    async def structure(self, body: SamplingFields, request: Request) -> StructuredOutputs | None:
+        """The structured output the request asks for, compiled (in a compiler process; cached
+        by spec, so the engine's own compile finds it): a 400 naming the field if it cannot be
+        (past a bound, a keyword not enforced, past the compile deadline). A client that leaves
+        meanwhile stops waiting at once (499), its compile ended where no one else waits."""
         structure, field = structure_of(body)
         if structure is None:
             return None
+        compiled = asyncio.ensure_future(self.front.grammars.compile_async(structure))
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            await asyncio.to_thread(self.front.grammars.compile, structure)
+            await asyncio.wait({compiled, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not compiled.done():
+                compiled.cancel()
+                await asyncio.wait({compiled})
+        if compiled.cancelled():
+            raise APIError(499, "the client left before its grammar was compiled")
+        try:
+            compiled.result()
         except GrammarError as exc:
             raise APIError(400, str(exc), field) from None
         return structure
