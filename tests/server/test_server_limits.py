@@ -268,3 +268,171 @@ def test_sigterm_stops_the_server_within_its_timeout_with_compiles_in_flight(tmp
             sender.join(60)
     finally:
         server.stop()
+
+
+DEEP = "__deep__"
+
+
+@pytest.mark.timeout(180)
+def test_a_body_nested_nearly_as_deep_as_json_allows_is_a_400_not_a_500():
+    engine = tiny_engine(max_model_len=256)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"a": DEEP}}}
+    bodies = [
+        ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"deep": DEEP}}),
+        ("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "required"}),
+        ("/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "none"}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "guided_json": {"enum": [DEEP]}}),
+    ]
+    try:
+        with running_app(engine) as url:
+            for depth in (100, 200, 850, 900, 930, 965, 990):
+                for path, body in bodies:
+                    # Written as text: Python's own JSON encoder stops short of these depths.
+                    nested = "[" * depth + "]" * depth
+                    text = json.dumps(body).replace(f'"{DEEP}"', nested)
+                    response = httpx.post(
+                        url + path,
+                        content=text,
+                        headers={"Content-Type": "application/json"},
+                        trust_env=False,
+                        timeout=60,
+                    )
+                    allowed = (200, 400) if depth <= 100 else (400,)
+                    assert response.status_code in allowed, (depth, path, response.text)
+            assert httpx.get(url + "/health", trust_env=False).status_code == 200
+    finally:
+        engine.shutdown()
+
+
+class _HealthProbe:
+    """/health asked every 20 ms from a thread; the slowest answer while it ran."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.worst_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        with httpx.Client(trust_env=False, timeout=30) as client:
+            for _ in range(10_000):
+                if self._stop.is_set():
+                    return
+                started = time.monotonic()
+                client.get(self.url + "/health")
+                self.worst_s = max(self.worst_s, time.monotonic() - started)
+                time.sleep(0.02)
+
+    def __enter__(self) -> _HealthProbe:
+        self._thread.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, trust_env=False, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_list_fields_are_bounded_before_they_are_walked():
+    engine = tiny_engine(max_model_len=256)
+    try:
+        with running_app(engine) as url:
+            base = {"prompt": "Hi", "max_tokens": 2}
+            refused = [
+                ("logit_bias", {**base, "logit_bias": {str(i): 1 for i in range(1025)}}),
+                ("allowed_token_ids", {**base, "allowed_token_ids": [1] * 262_145}),
+                ("bad_words", {**base, "bad_words": ["w"] * 1025}),
+                ("stop", {**base, "stop": ["s"] * 257}),
+                ("stop_token_ids", {**base, "stop_token_ids": [1] * 1025}),
+                ("prompt", {**base, "prompt": [1] * (1 << 20 | 1)}),
+                ("prompt", {**base, "prompt": [[1] * (1 << 19)] * 3}),
+            ]
+            for field, body in refused:
+                response = _post(url, "/v1/completions", body)
+                assert response.status_code == 400, (field, response.text[:300])
+                assert response.json()["error"]["param"] == field
+            response = _post(url, "/detokenize", {"tokens": [1] * (1 << 20 | 1)})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_heavy_per_request_work_stays_off_the_event_loop():
+    engine = tiny_engine(max_model_len=2048)
+    try:
+        with running_app(engine) as url:
+            long_prompt = {"prompt": "Once upon a time " * 400, "max_tokens": 2}
+            probes = [
+                ("/v1/completions", {**long_prompt, "bad_words": [f"w{i}" for i in range(1024)]}),
+                ("/detokenize", {"tokens": [100 + i % 1000 for i in range(1 << 20)]}),
+                ("/v1/completions", {**long_prompt, "prompt_logprobs": 20}),
+                ("/v1/completions", {**long_prompt, "echo": True, "logprobs": 20, "stream": True}),
+            ]
+            for path, body in probes:
+                _post(url, path, {**body, **({"tokens": [1]} if path == "/detokenize" else {})})
+                with _HealthProbe(url) as probe:
+                    response = _post(url, path, body)
+                assert response.status_code == 200, response.text[:300]
+                # A regression guard, far above what it measures (docs/api.md has the figures).
+                assert probe.worst_s < 1.0, (path, list(body)[-1], probe.worst_s)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_continuous_usage_stats_put_usage_in_every_chunk():
+    engine = tiny_engine(max_model_len=256)
+    try:
+        with running_app(engine) as url:
+            for path, start in (
+                ("/v1/completions", {"prompt": "Once upon a time"}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+            ):
+                body = {
+                    **start,
+                    "max_tokens": 5,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                }
+                with httpx.stream("POST", url + path, json=body, trust_env=False) as response:
+                    chunks = [
+                        json.loads(line[6:])
+                        for line in response.iter_lines()
+                        if line.startswith("data: {")
+                    ]
+                assert chunks and all(c["usage"] is not None for c in chunks), chunks
+                completions = [c["usage"]["completion_tokens"] for c in chunks]
+                assert completions == sorted(completions) and completions[-1] == 5, completions
+                prompt = chunks[-1]["usage"]["prompt_tokens"]
+                assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
+                assert not chunks[-1]["choices"]  # the final usage chunk, as without it
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_logit_bias_keys_are_ascii_digits_and_a_tiny_repetition_penalty_keeps_logprobs():
+    engine = tiny_engine(max_model_len=256)
+    try:
+        with running_app(engine) as url:
+            for key in ("\u00b2", "\u0661\u0662", "-1", "1.0", " 1"):
+                body = {"prompt": "Hi", "max_tokens": 2, "logit_bias": {key: 5}}
+                response = _post(url, "/v1/completions", body)
+                assert response.status_code == 400, (key, response.text)
+                assert response.json()["error"]["param"] == "logit_bias"
+            body = {"prompt": "Hi there", "max_tokens": 4, "repetition_penalty": 1e-300,
+                    "logprobs": 2, "ignore_eos": True}  # fmt: skip
+            response = _post(url, "/v1/completions", body)
+            assert response.status_code == 200, response.text
+            logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+            assert len(logprobs) == 4 and all(isinstance(lp, float) for lp in logprobs), logprobs
+    finally:
+        engine.shutdown()

@@ -117,7 +117,7 @@ class CompilePool:
             if self._closed:
                 raise CompileFailed("the server is shutting down")
             job = self._by_key.get(key)
-            if job is not None and not job.result.done():
+            if job is not None and not job.result.done() and not job.abandoned:
                 job.requesters += 1
                 return job
             job = CompileJob(key, message, time.monotonic() + timeout_s, timeout_s)

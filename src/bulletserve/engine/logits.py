@@ -138,7 +138,10 @@ def _penalize(logits: torch.Tensor, requests: list[Request], rows: list[int]) ->
         factor = torch.tensor(repetition)[owners(seen)]
         seen, factor = seen.to(device), factor.to(device)
         values = flat[seen]
-        flat[seen] = torch.where(values > 0, values / factor, values * factor)
+        penalized = torch.where(values > 0, values / factor, values * factor)
+        # A factor near 0 (1e-300 is > 0) divides a logit past float's range: kept finite, so
+        # that the row's logprobs stay numbers.
+        flat[seen] = penalized.clamp(max=torch.finfo(flat.dtype).max)
     output, counts = torch.unique(keys([r.output_token_ids for r in chosen]), return_counts=True)
     if len(output):
         owner = owners(output)

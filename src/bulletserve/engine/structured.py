@@ -53,7 +53,10 @@ class StructuredOutputs:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutputs:
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        try:
+            text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        except RecursionError:
+            raise GrammarError("the schema nests too deep") from None
         return cls("json", text)
 
     def __post_init__(self) -> None:

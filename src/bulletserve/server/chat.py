@@ -3,8 +3,10 @@ generation, then the tool calls parsed out of the text where the request allows 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jinja2
@@ -61,12 +63,17 @@ class ToolMode:
     kind: str  # "auto", "required" or "named"
     parser: ToolParserName
     name: str | None = None  # the named function
+    offered: frozenset[str] = frozenset()  # the request's tools' names
 
     def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls) of a finished output. A forced output cut short (max_tokens) does
-        not parse: it stays content."""
+        not parse: it stays content, as does text that calls a tool the request did not offer
+        (a constraint such as guided_regex can spell one)."""
         if self.kind == "auto":
-            return parse_calls(text, self.parser)
+            content, calls = parse_calls(text, self.parser)
+            if any(call.name not in self.offered for call in calls):
+                return text, []
+            return content, calls
         try:
             return None, forced_calls(text, self.name)
         except (json.JSONDecodeError, KeyError, TypeError):
@@ -86,6 +93,16 @@ class ChatServing:
         assistant's turn (or continuing its last message)."""
         if not self.template:
             raise APIError(400, "this model's tokenizer has no chat template", "messages")
+        try:
+            return await self._prompt_ids(messages, body)
+        except RecursionError:
+            # JSON's parser takes lists and objects about 1,000 deep; the template's renderer
+            # and encoders recurse, with less room, into tools and chat_template_kwargs.
+            raise APIError(
+                400, "the chat template's inputs nest too deep (tools, chat_template_kwargs)"
+            ) from None
+
+    async def _prompt_ids(self, messages: list[ChatMessage], body: ChatTemplateFields) -> list[int]:
         conversation = [m.as_template_input() for m in messages]
         tools = tools_for_template(body.tools)
         if tools and not self.takes_tools:
@@ -140,7 +157,7 @@ class ChatServing:
                 'give tool_choice "required" or a named function, or "none"',
                 "tool_choice",
             )
-        return ToolMode("auto", self.parser)
+        return ToolMode("auto", self.parser, offered=frozenset(t.function.name for t in body.tools))
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving
@@ -174,7 +191,9 @@ class ChatServing:
         response_id = f"chatcmpl-{body.request_id}" if body.request_id else request_id
         outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
-            events = _ChatEvents(self, response_id, body.include_usage, mode, echo)
+            events = _ChatEvents(
+                self, response_id, body.include_usage, body.continuous_usage, mode, echo
+            )
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
                 media_type="text/event-stream",
@@ -182,6 +201,22 @@ class ChatServing:
         finals = await serving.final_outputs(request, outputs)
         if finals is None:
             return Response(status_code=499)
+        # Logprobs (per token, up to 20 decoded alternatives) are formatted on a worker
+        # thread: thousands of decodes would hold the event loop.
+        heavy = body.prompt_logprobs is not None or body.logprobs
+        build = partial(self._response, body, finals, width, mode, echo, response_id)
+        return await asyncio.to_thread(build) if heavy else build()
+
+    def _response(
+        self,
+        body: ChatCompletionRequest,
+        finals: dict[int, RequestOutput],
+        width: int,
+        mode: ToolMode | None,
+        echo: str,
+        response_id: str,
+    ) -> Response:
+        serving = self.serving
         ranked = [finals[k] for k in range(width)]
         if width > body.n:
             ranked.sort(key=lambda out: -sum(lp.logprob for lp in out.logprobs or ()))
@@ -259,12 +294,14 @@ class _ChatEvents:
         owner: ChatServing,
         request_id: str,
         include_usage: bool,
+        continuous_usage: bool,
         mode: ToolMode | None,
         echo: str,
     ) -> None:
         self.owner = owner
         self.request_id = request_id
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # usage in every chunk, of its choice
         self.mode = mode
         self.echo = echo
         self.created = now()
@@ -282,11 +319,12 @@ class _ChatEvents:
 
     def deltas(self, index: int, output: RequestOutput) -> list[str]:
         state = self.choices.setdefault(index, _ChoiceStream())
+        so_far = [output] if self.continuous_usage else None
         events = []
         if not state.sent_role:
             state.sent_role = True
             role = DeltaMessage(role="assistant", content=self.echo)
-            events.append(self._chunk([ChatChunkChoice(index=index, delta=role)], None))
+            events.append(self._chunk([ChatChunkChoice(index=index, delta=role)], so_far))
         if not (output.new_text or output.new_token_ids or output.finished):
             return events
         logprobs = None
@@ -319,7 +357,7 @@ class _ChatEvents:
             if mode is not None and mode.kind != "named":
                 finish = "tool_calls"
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
-        events.append(self._chunk([choice], None))
+        events.append(self._chunk([choice], so_far))
         return events
 
     def final(self, outputs: list[RequestOutput]) -> list[str]:

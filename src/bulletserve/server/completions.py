@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 
 from fastapi import Request, Response
@@ -88,6 +89,7 @@ class CompletionServing:
                 self,
                 response_id,
                 body.include_usage,
+                body.continuous_usage,
                 echoes,
                 width,
                 body.logprobs if echo_logprobs else None,
@@ -99,7 +101,26 @@ class CompletionServing:
         finals = await serving.final_outputs(request, outputs)
         if finals is None:
             return Response(status_code=499)
-        kept = _best(finals, len(prompts), width, body.n)
+        # Logprobs (per token, up to 20 decoded alternatives) are formatted on a worker
+        # thread: thousands of decodes would hold the event loop.
+        heavy = body.prompt_logprobs is not None or body.logprobs is not None
+        build = partial(
+            self._response, body, finals, len(prompts), width, echoes, echo_logprobs, response_id
+        )
+        return await asyncio.to_thread(build) if heavy else build()
+
+    def _response(
+        self,
+        body: CompletionRequest,
+        finals: dict[int, RequestOutput],
+        num_prompts: int,
+        width: int,
+        echoes: list[str],
+        echo_logprobs: bool,
+        response_id: str,
+    ) -> Response:
+        serving = self.serving
+        kept = _best(finals, num_prompts, width, body.n)
         response_choices = []
         for index, final in enumerate(kept):
             prompt = index // body.n
@@ -207,6 +228,7 @@ class _CompletionEvents:
         owner: CompletionServing,
         request_id: str,
         include_usage: bool,
+        continuous_usage: bool,
         echoes: list[str],
         width: int,
         echo_top: int | None,
@@ -214,6 +236,7 @@ class _CompletionEvents:
         self.owner = owner
         self.request_id = request_id
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # usage in every chunk, of its choice
         self.created = now()
         self.echoes = echoes  # per prompt: what echo puts before each of its choices' text
         self.width = width
@@ -262,7 +285,7 @@ class _CompletionEvents:
             logprobs=logprobs,
             finish_reason=output.finish_reason if output.finished else None,
         )
-        return [self._chunk([choice], None)]
+        return [self._chunk([choice], [output] if self.continuous_usage else None)]
 
     def final(self, outputs: list[RequestOutput]) -> list[str]:
         return [self._chunk([], outputs)] if self.include_usage else []

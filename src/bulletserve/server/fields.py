@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from bulletserve.engine.structured import StructuredOutputs
+from bulletserve.engine.structured import GrammarError, StructuredOutputs
 from bulletserve.server.errors import APIError
 from bulletserve.server.protocol import (
     REFUSED,
@@ -20,6 +21,9 @@ from bulletserve.server.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+S = TypeVar("S")
 
 _logged_ignored: set[str] = set()
 _logged_lock = threading.Lock()
@@ -49,7 +53,10 @@ def structure_of(body: SamplingFields) -> tuple[StructuredOutputs | None, str | 
         asked.append((StructuredOutputs("json_object"), "response_format"))
     elif fmt is not None and fmt.type == "json_schema":
         assert fmt.json_schema is not None and fmt.json_schema.schema_ is not None
-        asked.append((StructuredOutputs.json_schema(fmt.json_schema.schema_), "response_format"))
+        schema = fmt.json_schema.schema_
+        asked.append(
+            (_made(StructuredOutputs.json_schema, schema, "response_format"), "response_format")
+        )
     extras = body.structured_outputs
     if extras is not None and extras.json_object:
         asked.append((StructuredOutputs("json_object"), "structured_outputs.json_object"))
@@ -68,15 +75,23 @@ def structure_of(body: SamplingFields) -> tuple[StructuredOutputs | None, str | 
         ("guided_choice", body.guided_choice, _choice),
         ("guided_grammar", body.guided_grammar, _grammar),
     ]
-    asked += [(make(value), name) for name, value, make in fields if value is not None]
+    asked += [(_made(make, value, name), name) for name, value, make in fields if value is not None]
     if isinstance(body, ChatCompletionRequest):
-        tool_structure = tool_choice_structure(body)
+        tool_structure = _made(tool_choice_structure, body, "tool_choice")
         if tool_structure is not None:
             asked.append((tool_structure, "tool_choice"))
     if len(asked) > 1:
         names = ", ".join(name for _, name in asked)
         raise APIError(400, f"ask for one structured output at a time, not {names}", asked[1][1])
     return asked[0] if asked else (None, None)
+
+
+def _made(make: Callable[[T], S], value: T, field: str) -> S:
+    """`make(value)`, a GrammarError (a spec that cannot be one) a 400 naming `field`."""
+    try:
+        return make(value)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), field) from None
 
 
 def _regex(pattern: str) -> StructuredOutputs:
@@ -129,7 +144,8 @@ def logit_bias_of(body: SamplingFields) -> dict[int, float]:
     a token id."""
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
-        token = int(key) if key.isdigit() else -1
+        # ASCII digits alone: str.isdigit takes "²", and int() reads "١٢" as 12.
+        token = int(key) if key.isascii() and key.isdigit() else -1
         if token < 0:
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         bias[token] = value

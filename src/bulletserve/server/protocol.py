@@ -53,6 +53,29 @@ REFUSED: dict[str, Any] = {
 MAX_MESSAGES = 16384
 MAX_MESSAGE_ITEMS = 16384  # content parts and tool calls, over all messages
 MAX_TOOLS = 1024
+# Bounds on the list fields, checked (by length alone) before any is walked. A bad word is
+# tokenized twice and scanned for at every step; a logit_bias or allowed_token_ids entry is a
+# token id, and no vocabulary has more than a few hundred thousand.
+MAX_LIST_ITEMS: dict[str, int] = {
+    "logit_bias": 1024,
+    "allowed_token_ids": 262_144,
+    "bad_words": 1024,
+    "stop": 256,
+    "stop_token_ids": 1024,
+}
+# Token ids a body may carry: a completion's prompts (all of them) or /detokenize's tokens.
+MAX_TOKEN_IDS = 1 << 20
+# How deep the free-form fields (schemas, tools, chat_template_kwargs) may nest. JSON's parser
+# takes about 1,000 levels; the chat template's renderer, pydantic's serializer and JSON's
+# encoder each recurse into them with less room than that.
+MAX_NESTING = 128
+FREE_FORM_FIELDS = (
+    "tools",
+    "chat_template_kwargs",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+)
 
 
 class BodyError(Exception):
@@ -68,8 +91,9 @@ class BodyError(Exception):
 
 
 def check_structure(body: object) -> None:
-    """Raise BodyError where a chat body has more messages, content parts and tool calls, or
-    tools than the bounds (counted in a few ms: lists' lengths, one pass over the messages)."""
+    """Raise BodyError where a body has more messages, content parts and tool calls, tools,
+    list items or token ids than the bounds (counted in a few ms: lists' lengths, one pass over
+    the messages)."""
     if not isinstance(body, dict):
         return
     messages = body.get("messages")
@@ -91,6 +115,36 @@ def check_structure(body: object) -> None:
     tools = body.get("tools")
     if isinstance(tools, list) and len(tools) > MAX_TOOLS:
         raise BodyError("tools", f"tools: {len(tools)} is more than {MAX_TOOLS}")
+    for name, limit in MAX_LIST_ITEMS.items():
+        value = body.get(name)
+        if isinstance(value, list | dict) and len(value) > limit:
+            raise BodyError(name, f"{name}: {len(value)} items is more than {limit}")
+    for name in ("prompt", "tokens"):
+        value = body.get(name)
+        if isinstance(value, list):
+            ids = sum(len(item) if isinstance(item, list) else 1 for item in value)
+            if ids > MAX_TOKEN_IDS:
+                raise BodyError(name, f"{name}: {ids} token ids is more than {MAX_TOKEN_IDS}")
+    for name in FREE_FORM_FIELDS:
+        if _nests_deeper(body.get(name), MAX_NESTING):
+            raise BodyError(name, f"{name}: nests more than {MAX_NESTING} levels deep")
+
+
+def _nests_deeper(value: object, limit: int) -> bool:
+    """Whether `value` holds lists and objects more than `limit` deep (walked without
+    recursion, stopping at the first that is)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend(
+                (child, depth + 1) for child in item.values() if isinstance(child, dict | list)
+            )
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item if isinstance(child, dict | list))
+    return False
 
 
 def check_text(body: object) -> None:
@@ -104,6 +158,9 @@ def check_text(body: object) -> None:
         return
     except (UnicodeEncodeError, TypeError):
         pass
+    except RecursionError:
+        # Nested almost as deep as JSON's parser allows: too deep for the encoder here.
+        raise BodyError("body", "the body nests too deep (lists and objects)") from None
     stack: list[tuple[object, str]] = [(body, "")]
     while stack:
         value, path = stack.pop()
@@ -262,6 +319,12 @@ class SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: usage in every chunk (with include_usage)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     @model_validator(mode="after")
     def _choices(self) -> SamplingFields:

@@ -403,8 +403,15 @@ class Serving:
         try:
             last: dict[int, RequestOutput] = {}
             async for index, output in outputs:
+                first = index not in last
                 last[index] = output
-                for payload in events(index, output):
+                if first and output.prompt_logprobs is not None:
+                    # A choice's first chunk with the prompt's logprobs (echo): thousands of
+                    # decodes, formatted on a worker thread rather than on the event loop.
+                    payloads = await asyncio.to_thread(events, index, output)
+                else:
+                    payloads = events(index, output)
+                for payload in payloads:
                     yield sse(payload)
             if last:
                 for payload in final_events([last[i] for i in sorted(last)]):

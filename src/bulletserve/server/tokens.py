@@ -37,7 +37,9 @@ class TokenServing:
                 partial(serving.tokenizer.encode, add_special_tokens=body.add_special_tokens),
                 prompt,
             )
-        strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        strs = None
+        if body.return_token_strs:
+            strs = await serving.off_loop(len(ids), serving.tokenizer.convert_ids_to_tokens, ids)
         return TokenizeResponse(
             count=len(ids),
             max_model_len=serving.front.max_model_len,
@@ -48,6 +50,10 @@ class TokenServing:
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self._check_model(body.model)
         vocab = self.serving.front.vocab_size
-        if any(t >= vocab for t in body.tokens):
+        if max(body.tokens, default=0) >= vocab:
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=self.serving.tokenizer.decode(body.tokens))
+        # A long decode (up to MAX_TOKEN_IDS ids) on a worker thread, as a long tokenization.
+        text = await self.serving.off_loop(
+            len(body.tokens), self.serving.tokenizer.decode, body.tokens
+        )
+        return DetokenizeResponse(prompt=text)
