@@ -271,6 +271,22 @@ def test_tool_choice_auto_parses_a_call_and_streams_it_as_deltas(client):
     assert json.loads(calls[0]["arguments"])["city"] == "Paris"
 
 
+def test_an_auto_call_of_a_tool_not_offered_stays_content(client):
+    call = {"name": "delete_everything", "arguments": {}}
+    call_text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    regex = call_text.replace("{", "\\{").replace("}", "\\}")
+    kwargs = dict(tools=[WEATHER], tool_choice="auto", extra_body={"guided_regex": regex})
+    choice = chat(client, **kwargs).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason != "tool_calls"
+    assert choice.message.content == call_text
+    content, finish = "", None
+    for chunk in chat(client, stream=True, **kwargs):
+        assert not chunk.choices[0].delta.tool_calls
+        content += chunk.choices[0].delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == call_text and finish != "tool_calls"
+
+
 def test_auto_tool_choice_needs_the_flag(engine):
     with running_app(engine) as base:
         body = {"model": "tiny", "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 2}
