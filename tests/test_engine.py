@@ -207,9 +207,11 @@ def test_a_vanishing_temperature_samples_the_argmax(tiny_llama_dir):
     ("settings", "message"),
     [
         ({"slo_ttft_per_token_ms": 0.5}, None),
-        ({"slo_ttft_per_token_ms": 0}, "--slo-ttft-per-token-ms must be > 0"),
-        ({"slo_tpot_ms": -1.0}, "--slo-tpot-ms must be > 0"),
-        ({"slo_ttft_base_ms": -1.0}, "--slo-ttft-base-ms must be >= 0"),
+        ({"slo_ttft_per_token_ms": 0}, r"--slo-ttft-per-token-ms must be in \[0.001, "),
+        ({"slo_ttft_per_token_ms": 5e-324}, r"--slo-ttft-per-token-ms must be in \[0.001, "),
+        ({"slo_tpot_ms": -1.0}, r"--slo-tpot-ms must be in \[0.001, "),
+        ({"slo_tpot_ms": float("inf")}, r"--slo-tpot-ms must be in \[0.001, "),
+        ({"slo_ttft_base_ms": -1.0}, r"--slo-ttft-base-ms must be in \[0, "),
     ],
 )
 def test_slo_settings_are_checked(settings, message):

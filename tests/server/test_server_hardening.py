@@ -22,6 +22,8 @@ from tests.server.harness import (
 )
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+# Some faults here need bodies past the default cap (4 MiB) to show the guards behind it.
+LARGE_BODY_CAP = 16 * 1024 * 1024
 
 
 def _metric(url: str, name: str) -> float | None:
@@ -115,9 +117,9 @@ def test_a_burst_never_leaves_more_waiting_than_the_cap():
 def test_health_answers_while_a_two_million_token_prompt_is_rejected():
     engine = tiny_engine()
     try:
-        with running_app(engine) as url:
+        with running_app(engine, max_request_bytes=LARGE_BODY_CAP) as url:
             outcome: list[httpx.Response] = []
-            prompt = "hello " * 2_000_000  # 12 MB, under the 16 MB body cap
+            prompt = "hello " * 2_000_000  # 12 MB, under the raised body cap
             sender = threading.Thread(
                 target=lambda: outcome.append(
                     httpx.post(
@@ -139,7 +141,7 @@ def test_health_answers_while_a_two_million_token_prompt_is_rejected():
             sender.join()
             assert outcome[0].status_code == 400, outcome[0].text
             assert outcome[0].json()["error"]["param"] == "prompt"
-            assert slowest < 0.1, slowest
+            assert slowest < 0.25, slowest  # /health's bound under any one request
     finally:
         engine.shutdown()
 
@@ -258,7 +260,7 @@ def test_a_stalled_body_is_answered_408_and_its_connection_closed():
 @pytest.fixture(scope="module")
 def url():
     engine = tiny_engine()
-    with running_app(engine) as base_url:
+    with running_app(engine, max_request_bytes=LARGE_BODY_CAP) as base_url:
         yield base_url
     engine.shutdown()
 

@@ -271,6 +271,7 @@ def test_sigterm_stops_the_server_within_its_timeout_with_compiles_in_flight(tmp
 
 
 DEEP = "__deep__"
+LARGE_BODY_CAP = 16 * 1024 * 1024
 
 
 @pytest.mark.timeout(180)
@@ -342,7 +343,8 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
 def test_list_fields_are_bounded_before_they_are_walked():
     engine = tiny_engine(max_model_len=256)
     try:
-        with running_app(engine) as url:
+        # The body cap raised past its default (4 MiB), to show the bounds behind it.
+        with running_app(engine, max_request_bytes=LARGE_BODY_CAP) as url:
             base = {"prompt": "Hi", "max_tokens": 2}
             refused = [
                 ("logit_bias", {**base, "logit_bias": {str(i): 1 for i in range(1025)}}),
@@ -367,7 +369,7 @@ def test_list_fields_are_bounded_before_they_are_walked():
 def test_heavy_per_request_work_stays_off_the_event_loop():
     engine = tiny_engine(max_model_len=2048)
     try:
-        with running_app(engine) as url:
+        with running_app(engine, max_request_bytes=LARGE_BODY_CAP) as url:
             long_prompt = {"prompt": "Once upon a time " * 400, "max_tokens": 2}
             probes = [
                 ("/v1/completions", {**long_prompt, "bad_words": [f"w{i}" for i in range(1024)]}),
@@ -434,5 +436,50 @@ def test_logit_bias_keys_are_ascii_digits_and_a_tiny_repetition_penalty_keeps_lo
             assert response.status_code == 200, response.text
             logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"]
             assert len(logprobs) == 4 and all(isinstance(lp, float) for lp in logprobs), logprobs
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_body_past_the_default_cap_is_a_413_before_it_is_parsed():
+    engine = tiny_engine(max_model_len=256)
+    try:
+        with running_app(engine) as url:
+            body = {
+                "prompt": "Hi",
+                "max_tokens": 2,
+                "logit_bias": {str(i): 1 for i in range(800_000)},
+            }
+            with _HealthProbe(url) as probe:
+                response = _post(url, "/v1/completions", body)
+            assert response.status_code == 413, response.text[:300]
+            assert probe.worst_s < 1.0, probe.worst_s
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_constraints_that_leave_no_token_are_a_400_not_an_empty_200():
+    engine = tiny_engine(max_model_len=256)
+    try:
+        with running_app(engine) as url:
+            tokenizer = engine.front.tokenizer
+            digit = tokenizer.encode("7", add_special_tokens=False)
+            body = {"prompt": "Yes or no?", "max_tokens": 4, "guided_choice": ["yes", "no"],
+                    "allowed_token_ids": digit}  # fmt: skip
+            response = _post(url, "/v1/completions", body)
+            assert response.status_code == 400, response.text
+            assert "leave no token" in response.json()["error"]["message"]
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={**body, "stream": True}, trust_env=False
+            ) as stream:
+                events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert '"code":400' in events[-2] and events[-1] == "data: [DONE]", events
+            bad = {"prompt": "Hi", "max_tokens": 4, "allowed_token_ids": digit,
+                   "bad_words": ["7"]}  # fmt: skip
+            assert _post(url, "/v1/completions", bad).status_code == 400
+            ok = {"prompt": "Yes or no?", "max_tokens": 4, "guided_choice": ["yes", "no"]}
+            assert _post(url, "/v1/completions", ok).status_code == 200
+            assert wait_until(lambda: engine.engine.pool.allocator.num_used == 0, timeout_s=10)
     finally:
         engine.shutdown()

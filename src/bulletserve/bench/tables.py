@@ -79,6 +79,8 @@ def sweep_table(
     only) and at a TTFT SLO `loose_factor` times looser, goodput, output throughput, P90 TTFT
     and TPOT; then each configuration's highest rate at 90%. A rate run more than once gets the
     medians over its runs (attainment with its range), and is judged on the median."""
+    if slo is None and any(run_slo(run) is None for r in results for run in r.runs):
+        return latency_table(results)
     loose_name = f"TTFT SLO x{loose_factor:g}"
     lines = [
         f"| config | rate | attainment | attainment, {loose_name} | goodput (req/s) | "
@@ -115,6 +117,25 @@ def sweep_table(
         lines.append(
             f"| {label} | {rates['set'] or 'none tested'} | {rates['loose'] or 'none tested'} |"
         )
+    return "\n".join(lines)
+
+
+def latency_table(results: list[BenchResult]) -> str:
+    """Per configuration and rate, throughput and latency alone: for runs made without SLO
+    flags (and no --slo), which have no attainment to show."""
+    lines = [
+        "| config | rate | completed (req/s) | output tok/s | P90 TTFT (ms) | P90 TPOT (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for result in results:
+        for run in result.runs:
+            done = sum(r.success for r in run.requests)
+            lines.append(
+                f"| {result.label} | {run.request_rate:g} | {done / run.duration_s:.3f} | "
+                f"{run.summary['output_throughput']:.1f} | "
+                f"{run.summary['ttft_ms']['p90']:.0f} | {run.summary['tpot_ms']['p90']:.0f} |"
+            )
+    lines += ["", "Made without SLO flags: no attainment (give --slo to score the runs)."]
     return "\n".join(lines)
 
 

@@ -12,7 +12,14 @@ from transformers import PreTrainedTokenizerBase
 
 from bulletserve.bookkeeping.book import RequestBook
 from bulletserve.bookkeeping.clock import Clock
-from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
+from bulletserve.engine.request import (
+    NO_TOKEN,
+    UNSATISFIABLE,
+    Request,
+    RequestOutput,
+    RequestState,
+    TokenLogprob,
+)
 from bulletserve.model.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -90,7 +97,11 @@ class RequestLife:
     def append_token(
         self, request: Request, token: int, logprob: TokenLogprob | None, now: float
     ) -> None:
-        """A sampled token: detokenize, check stops and limits, finish the request if done."""
+        """A sampled token: detokenize, check stops and limits, finish the request if done.
+        NO_TOKEN (its constraints left none) ends it with finish reason UNSATISFIABLE."""
+        if token == NO_TOKEN:
+            self._finish(request, UNSATISFIABLE)
+            return
         params = request.params
         request.output_token_ids.append(token)
         if logprob is not None:

@@ -11,6 +11,12 @@ from bulletserve.kv.allocator import salt_root
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.slo import ServiceClass
 
+# What the sampler gives a row whose constraints leave it no token (every logit masked: a
+# grammar and allowed_token_ids with nothing in common, say); the request ends with finish
+# reason "error" and the server answers 400.
+NO_TOKEN = -1
+UNSATISFIABLE = "error"
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to recompute

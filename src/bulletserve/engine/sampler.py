@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from bulletserve.engine.logits import process_logits, wants_processing
-from bulletserve.engine.request import Request, TokenLogprob
+from bulletserve.engine.request import NO_TOKEN, Request, TokenLogprob
 from bulletserve.model.cpu_kernels import sampling_kernel
 
 # The inverse-CDF draw sums the vocabulary in blocks of this many entries, then walks one block.
@@ -81,7 +81,14 @@ class Sampler:
         else:
             tokens = _drawn(logits, requests, uniforms.to(logits.device))
         token_list = tokens.tolist()
-        return token_list, _logprobs(logits, requests, tokens, token_list)
+        logprobs = _logprobs(logits, requests, tokens, token_list)
+        if processed:
+            # Only a row with every logit masked draws a token whose logit is -inf.
+            rows = torch.tensor(processed, device=logits.device)
+            chosen = logits[rows, tokens[rows]]
+            for row in rows[torch.isneginf(chosen)].tolist():
+                token_list[row] = NO_TOKEN
+        return token_list, logprobs
 
 
 def _filters(request: Request, vocab: int) -> bool:

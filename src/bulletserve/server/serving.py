@@ -16,7 +16,7 @@ from fastapi import Request
 
 from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
 from bulletserve.engine.client import EngineClient
-from bulletserve.engine.request import RequestOutput, TokenLogprob
+from bulletserve.engine.request import UNSATISFIABLE, RequestOutput, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarError, StructuredOutputs
 from bulletserve.sched.base import check_priority
@@ -351,6 +351,12 @@ class Serving:
                         "the server is past its capacity: the request waited more than "
                         "--max-queue-delay-ms for its first step; retry later"
                     )
+                if output.finish_reason == UNSATISFIABLE:
+                    raise UnsatisfiableError(
+                        "the request's constraints leave no token it may generate (its "
+                        "structured output, allowed_token_ids, bad_words or logit_bias have "
+                        f"nothing in common after {len(output.token_ids)} tokens)"
+                    )
                 yield output
         finally:
             admission.release(1)
@@ -390,6 +396,8 @@ class Serving:
             raise APIError(503, str(exc)) from None
         except RequestShedError as exc:
             raise APIError(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except UnsatisfiableError as exc:
+            raise APIError(400, str(exc)) from None
 
     async def stream(
         self,
@@ -429,6 +437,11 @@ class Serving:
 
 class RequestShedError(Exception):
     """The engine shed the request before its first step (--max-queue-delay-ms)."""
+
+
+class UnsatisfiableError(ValueError):
+    """The request's constraints left no token to generate (a 400; streamed, an error
+    event)."""
 
 
 @dataclass
