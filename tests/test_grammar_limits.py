@@ -209,7 +209,8 @@ def test_the_compiled_grammar_cache_is_bounded_in_bytes(tokenizer):
 
 def test_a_schema_nested_past_json_s_own_limit_is_an_error_not_a_crash():
     spec = "[" * 100_000 + "]" * 100_000
-    compiler = GrammarCompiler(None, 10, frozenset())  # type: ignore[arg-type]
+    limits = GrammarLimits(max_grammar_bytes=1 << 20)  # the parse, not the size, refuses it
+    compiler = GrammarCompiler(None, 10, frozenset(), limits)  # type: ignore[arg-type]
     with pytest.raises(GrammarError, match="not JSON"):
         compiler.check(StructuredOutputs("json", spec))
     json.dumps({})  # the interpreter is intact

@@ -483,3 +483,34 @@ def test_constraints_that_leave_no_token_are_a_400_not_an_empty_200():
             assert wait_until(lambda: engine.engine.pool.allocator.num_used == 0, timeout_s=10)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["chunked", "bullet"])
+def test_a_fault_in_one_requests_handling_fails_that_request_alone(policy, monkeypatch):
+    """A fault injected where a request's token is handled (its grammar, here) fails that
+    request with a 500 whose details go to the log; the engine and other requests go on."""
+    from bulletserve.engine.structured import GrammarState
+
+    def broken(self, token: int) -> bool:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(GrammarState, "accept", broken)
+    engine = tiny_engine(policy=policy, max_model_len=256)
+    try:
+        with running_app(engine) as url:
+            faulty = {"prompt": "Hi", "max_tokens": 4, "guided_regex": "[a-z]+"}
+            response = _post(url, "/v1/completions", faulty)
+            assert response.status_code == 500, response.text
+            assert "error id" in response.json()["error"]["message"]
+            with httpx.stream(
+                "POST", url + "/v1/completions", json={**faulty, "stream": True}, trust_env=False
+            ) as stream:
+                events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert '"code":500' in events[-2] and events[-1] == "data: [DONE]", events
+            assert httpx.get(url + "/health", trust_env=False).status_code == 200
+            plain = _post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
+            assert plain.status_code == 200, plain.text
+            assert wait_until(lambda: engine.engine.pool.allocator.num_used == 0, timeout_s=10)
+    finally:
+        engine.shutdown()

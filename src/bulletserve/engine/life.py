@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from bulletserve.bookkeeping.book import RequestBook
 from bulletserve.bookkeeping.clock import Clock
 from bulletserve.engine.request import (
+    FAULT,
     NO_TOKEN,
     UNSATISFIABLE,
     Request,
@@ -98,7 +99,19 @@ class RequestLife:
         self, request: Request, token: int, logprob: TokenLogprob | None, now: float
     ) -> None:
         """A sampled token: detokenize, check stops and limits, finish the request if done.
-        NO_TOKEN (its constraints left none) ends it with finish reason UNSATISFIABLE."""
+        NO_TOKEN (its constraints left none) ends it with finish reason UNSATISFIABLE. A fault
+        in this request's own handling (its grammar, its detokenizer) ends it alone, finish
+        reason FAULT, and is logged; the engine serves on."""
+        try:
+            self._append_token(request, token, logprob, now)
+        except Exception:
+            logger.exception("request %s: its token could not be handled", request.request_id)
+            if not request.is_finished:
+                self._finish(request, FAULT)
+
+    def _append_token(
+        self, request: Request, token: int, logprob: TokenLogprob | None, now: float
+    ) -> None:
         if token == NO_TOKEN:
             self._finish(request, UNSATISFIABLE)
             return

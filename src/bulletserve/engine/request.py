@@ -16,6 +16,8 @@ from bulletserve.sched.slo import ServiceClass
 # reason "error" and the server answers 400.
 NO_TOKEN = -1
 UNSATISFIABLE = "error"
+# The finish reason of a request whose own handling failed (logged); the engine serves on.
+FAULT = "fault"
 
 
 class RequestState(enum.Enum):

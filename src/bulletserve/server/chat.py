@@ -3,7 +3,6 @@ generation, then the tool calls parsed out of the text where the request allows 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from functools import partial
@@ -201,11 +200,8 @@ class ChatServing:
         finals = await serving.final_outputs(request, outputs)
         if finals is None:
             return Response(status_code=499)
-        # Logprobs (per token, up to 20 decoded alternatives) are formatted on a worker
-        # thread: thousands of decodes would hold the event loop.
-        heavy = body.prompt_logprobs is not None or body.logprobs
         build = partial(self._response, body, finals, width, mode, echo, response_id)
-        return await asyncio.to_thread(build) if heavy else build()
+        return await serving.response(body.prompt_logprobs is not None or body.logprobs, build)
 
     def _response(
         self,

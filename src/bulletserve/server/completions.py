@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 
 from fastapi import Request, Response
@@ -101,13 +100,11 @@ class CompletionServing:
         finals = await serving.final_outputs(request, outputs)
         if finals is None:
             return Response(status_code=499)
-        # Logprobs (per token, up to 20 decoded alternatives) are formatted on a worker
-        # thread: thousands of decodes would hold the event loop.
-        heavy = body.prompt_logprobs is not None or body.logprobs is not None
         build = partial(
             self._response, body, finals, len(prompts), width, echoes, echo_logprobs, response_id
         )
-        return await asyncio.to_thread(build) if heavy else build()
+        logprobs = body.prompt_logprobs is not None or body.logprobs is not None
+        return await serving.response(logprobs, build)
 
     def _response(
         self,

@@ -16,7 +16,7 @@ from fastapi import Request
 
 from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
 from bulletserve.engine.client import EngineClient
-from bulletserve.engine.request import UNSATISFIABLE, RequestOutput, TokenLogprob
+from bulletserve.engine.request import FAULT, UNSATISFIABLE, RequestOutput, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarError, StructuredOutputs
 from bulletserve.sched.base import check_priority
@@ -181,6 +181,12 @@ class Serving:
         except GrammarError as exc:
             raise APIError(400, str(exc), field) from None
         return structure
+
+    async def response(self, logprobs: bool, build: Callable[[], T]) -> T:
+        """`build()`, a finished request's response: on a worker thread where it carries
+        logprobs (per token up to 20 decoded alternatives: thousands of decodes would hold the
+        event loop)."""
+        return await asyncio.to_thread(build) if logprobs else build()
 
     def truncated(self, body: SamplingFields, prompt_ids: list[int]) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens, where the request asks so."""
@@ -351,6 +357,10 @@ class Serving:
                         "the server is past its capacity: the request waited more than "
                         "--max-queue-delay-ms for its first step; retry later"
                     )
+                if output.finish_reason == FAULT:
+                    raise RequestFaultError(
+                        f"request {request_id}: its handling in the engine failed"
+                    )
                 if output.finish_reason == UNSATISFIABLE:
                     raise UnsatisfiableError(
                         "the request's constraints leave no token it may generate (its "
@@ -392,6 +402,8 @@ class Serving:
             return work.result()
         except EngineDeadError as exc:
             raise APIError(500, logged_error("the engine failed", exc)) from None
+        except RequestFaultError as exc:
+            raise APIError(500, logged_error("the request failed in the engine", exc)) from None
         except StreamEndedError as exc:
             raise APIError(503, str(exc)) from None
         except RequestShedError as exc:
@@ -426,6 +438,9 @@ class Serving:
                     yield sse(payload)
         except EngineDeadError as exc:
             yield sse(error_body(500, logged_error("the engine failed", exc)).model_dump_json())
+        except RequestFaultError as exc:
+            message = logged_error("the request failed in the engine", exc)
+            yield sse(error_body(500, message).model_dump_json())
         except StreamEndedError as exc:
             yield sse(error_body(503, str(exc)).model_dump_json())
         except RequestShedError as exc:
@@ -437,6 +452,11 @@ class Serving:
 
 class RequestShedError(Exception):
     """The engine shed the request before its first step (--max-queue-delay-ms)."""
+
+
+class RequestFaultError(RuntimeError):
+    """The engine's handling of this request alone failed (its traceback in the server log);
+    the engine serves on."""
 
 
 class UnsatisfiableError(ValueError):

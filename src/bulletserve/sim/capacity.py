@@ -191,7 +191,10 @@ def plot(
         ax.set_ylim(0, 102)
         ax.grid(alpha=0.3)
     axes[0][0].legend()
-    fig.suptitle(f"simulated on {hardware}: SLO attainment against request rate")
+    # A profile's path names the device by its file's stem; wrapped, the title stays inside
+    # the figure however long the name.
+    device = Path(hardware).stem if hardware.endswith(".json") else hardware
+    fig.suptitle(f"simulated on {device}: SLO attainment against request rate", wrap=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
