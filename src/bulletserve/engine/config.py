@@ -318,8 +318,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--grammar-compile-timeout",
         type=float,
         default=default["grammar_compile_timeout"],
-        help="seconds a request may wait for its grammar to be compiled, queued and compiling; "
-        "past them the compile is stopped and the request gets a 400",
+        help="seconds one grammar may take to compile, from when a compiler process takes it "
+        "up; past them the compile is stopped and the request gets a 400",
     )
     grammar.add_argument(
         "--grammar-cache-mb",

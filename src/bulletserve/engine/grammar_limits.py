@@ -49,7 +49,7 @@ class GrammarLimits:
     """The bounds on compiling structured outputs (the flags `bullet serve` takes)."""
 
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # a schema, regex, grammar or choices
-    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # from asking to having it compiled
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # one compile, once a process has it
     cache_bytes: int = DEFAULT_GRAMMAR_CACHE_MB * 1024 * 1024  # compiled grammars kept
     compile_workers: int = DEFAULT_COMPILE_WORKERS  # compiler processes
 

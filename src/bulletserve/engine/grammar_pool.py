@@ -1,13 +1,15 @@
 """Compiler processes for structured outputs (`grammar_worker.py`), each driven by a daemon
 thread here: a job waits in a queue, runs in the first free process, and its requester gets the
-serialized compiled grammar. A compile past its deadline, or whose every requester has left, is
-stopped by killing its process (which the thread restarts at once), so that no compile holds a
-core, memory or the server's shutdown beyond its bound.
+serialized compiled grammar. A compile past its deadline (counted from when a process takes it
+up), or whose every requester has left, is stopped by killing its process (which the thread
+restarts at once), so that no compile holds a core, memory or the server's shutdown beyond its
+bound.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import select
 import subprocess
 import sys
@@ -37,8 +39,8 @@ class CompileJob:
 
     key: object
     message: dict[str, Any]
-    deadline: float  # time.monotonic()
     timeout_s: float
+    deadline: float = math.inf  # time.monotonic(), set when a compiler takes the job up
     result: Future = field(default_factory=Future)  # the serialized compiled grammar
     requesters: int = 1
 
@@ -120,7 +122,7 @@ class CompilePool:
             if job is not None and not job.result.done() and not job.abandoned:
                 job.requesters += 1
                 return job
-            job = CompileJob(key, message, time.monotonic() + timeout_s, timeout_s)
+            job = CompileJob(key, message, timeout_s)
             self._by_key[key] = job
             self._jobs.append(job)
             self._cond.notify()
@@ -147,19 +149,14 @@ class CompilePool:
             job.result.set_result(outcome)
 
     def _next(self) -> CompileJob | None:
+        """The next job, its deadline running from now: the time it waited in the queue (for
+        a compiler to start, or behind other compiles) is not its own compile's."""
         with self._cond:
             while not self._closed:
-                while self._jobs:
+                if self._jobs:
                     job = self._jobs.popleft()
-                    if time.monotonic() < job.deadline:
-                        return job
-                    self._end(
-                        job,
-                        CompileFailed(
-                            f"it waited {job.timeout_s:g} s for a compiler "
-                            "(--grammar-compile-timeout) behind other compiles"
-                        ),
-                    )
+                    job.deadline = time.monotonic() + job.timeout_s
+                    return job
                 self._cond.wait()
             return None
 
