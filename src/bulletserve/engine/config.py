@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from bulletserve.engine.grammar_limits import (
 from bulletserve.model.source import LOAD_FORMATS
 from bulletserve.sched import POLICIES, SLO, SchedulerConfig
 from bulletserve.sched.base import SCHEDULING_POLICIES
-from bulletserve.sched.slo import MAX_TARGET_MS, MIN_TARGET_MS
+from bulletserve.sched.slo import check_target
 
 # How long the engine waits, after a step's outputs went to the server's event loop, for the
 # loop to have written them out before it computes the next step (`AsyncEngine._deliver`,
@@ -64,22 +63,10 @@ class EngineConfig(SchedulerConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        for name in ("slo_ttft_per_token_ms", "slo_tpot_ms"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and MIN_TARGET_MS <= value <= MAX_TARGET_MS):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be in [{MIN_TARGET_MS:g}, "
-                    f"{MAX_TARGET_MS:g}] ms, got {value}"
-                )
+        for name in ("ttft_per_token_ms", "tpot_ms", "ttft_base_ms"):
+            check_target(name, getattr(self, f"slo_{name}"), f"--slo-{name.replace('_', '-')}")
         if self.cpu_warmup_rows < 0:
             raise ValueError(f"--cpu-warmup-rows must be >= 0, got {self.cpu_warmup_rows}")
-        if not (
-            math.isfinite(self.slo_ttft_base_ms) and 0 <= self.slo_ttft_base_ms <= MAX_TARGET_MS
-        ):
-            raise ValueError(
-                f"--slo-ttft-base-ms must be in [0, {MAX_TARGET_MS:g}] ms, "
-                f"got {self.slo_ttft_base_ms}"
-            )
         self.grammar_limits  # noqa: B018 - raises ValueError naming the flag out of range
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")

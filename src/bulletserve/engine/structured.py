@@ -96,8 +96,8 @@ class GrammarCompiler:
         self._closed = False
         self._lock = threading.Lock()  # the cache's
         self._start_lock = threading.Lock()  # the compiler processes' start (seconds)
-        self._cache: OrderedDict[StructuredOutputs, Any] = OrderedDict()
-        self._cache_sizes: dict[StructuredOutputs, int] = {}
+        # structure -> (its compiled grammar, that grammar's bytes), least recently used first
+        self._cache: OrderedDict[StructuredOutputs, tuple[Any, int]] = OrderedDict()
         self.cache_bytes = 0
 
     def check(self, structure: StructuredOutputs) -> None:
@@ -116,11 +116,12 @@ class GrammarCompiler:
 
     def compile(self, structure: StructuredOutputs) -> Any:
         """xgrammar's compiled grammar for `structure` (cached), waiting for the compiler on
-        this thread; GrammarError if it is invalid, past a bound or does not compile in time."""
-        self.check(structure)
+        this thread; GrammarError if it is invalid, past a bound or does not compile in time.
+        A cached grammar passed `check` when it was compiled."""
         compiled = self._cached(structure)
         if compiled is not None:
             return compiled
+        self.check(structure)
         pool, job = self._submit(structure)
         try:
             reply = job.result.result()
@@ -134,10 +135,10 @@ class GrammarCompiler:
         """As `compile`, for the event loop: nothing heavy runs on it, and a requester that is
         cancelled (its client left) stops waiting at once, the compile ended where no one else
         waits for it."""
-        self.check(structure)
         compiled = self._cached(structure)
         if compiled is not None:
             return compiled
+        self.check(structure)
         submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, structure))
         try:
             pool, job = await asyncio.shield(submitting)
@@ -165,10 +166,11 @@ class GrammarCompiler:
 
     def _cached(self, structure: StructuredOutputs) -> Any:
         with self._lock:
-            compiled = self._cache.get(structure)
-            if compiled is not None:
-                self._cache.move_to_end(structure)
-            return compiled
+            entry = self._cache.get(structure)
+            if entry is None:
+                return None
+            self._cache.move_to_end(structure)
+            return entry[0]
 
     def _store(self, structure: StructuredOutputs, reply: dict[str, str]) -> Any:
         if "error" in reply:
@@ -179,12 +181,11 @@ class GrammarCompiler:
         size = int(compiled.memory_size_bytes)
         with self._lock:
             if structure not in self._cache and size <= self.limits.cache_bytes:
-                self._cache[structure] = compiled
-                self._cache_sizes[structure] = size
+                self._cache[structure] = (compiled, size)
                 self.cache_bytes += size
                 while self.cache_bytes > self.limits.cache_bytes:
-                    evicted, _ = self._cache.popitem(last=False)
-                    self.cache_bytes -= self._cache_sizes.pop(evicted)
+                    _, (_, evicted_size) = self._cache.popitem(last=False)
+                    self.cache_bytes -= evicted_size
         return compiled
 
     def _submit(self, structure: StructuredOutputs) -> tuple[CompilePool, CompileJob]:

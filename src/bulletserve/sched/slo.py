@@ -26,16 +26,8 @@ class SLO:
     ttft_base_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("ttft_per_token_ms", "tpot_ms"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and MIN_TARGET_MS <= value <= MAX_TARGET_MS):
-                raise ValueError(
-                    f"{name} must be in [{MIN_TARGET_MS:g}, {MAX_TARGET_MS:g}] ms, got {value!r}"
-                )
-        if not (math.isfinite(self.ttft_base_ms) and 0 <= self.ttft_base_ms <= MAX_TARGET_MS):
-            raise ValueError(
-                f"ttft_base_ms must be in [0, {MAX_TARGET_MS:g}] ms, got {self.ttft_base_ms!r}"
-            )
+        for name in ("ttft_per_token_ms", "tpot_ms", "ttft_base_ms"):
+            check_target(name, getattr(self, name))
 
     def ttft_limit_ms(self, input_len: int) -> float:
         return self.ttft_base_ms + self.ttft_per_token_ms * max(input_len, 1)
@@ -46,6 +38,16 @@ class SLO:
     @property
     def tpot_s(self) -> float:
         return self.tpot_ms / 1e3
+
+
+def check_target(name: str, value: float, label: str | None = None) -> None:
+    """ValueError, naming `label` (default: `name`), where target `name` is out of its range:
+    [MIN_TARGET_MS, MAX_TARGET_MS] ms, the fixed part (`ttft_base_ms`) from 0."""
+    low = 0.0 if name == "ttft_base_ms" else MIN_TARGET_MS
+    if not (math.isfinite(value) and low <= value <= MAX_TARGET_MS):
+        raise ValueError(
+            f"{label or name} must be in [{low:g}, {MAX_TARGET_MS:g}] ms, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
