@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 from pathlib import Path
@@ -87,3 +88,70 @@ def make_hf_model(
     # (the GPU machine of scripts/device_check.sh).
     load_tokenizer(os.environ.get("BULLET_TEST_TOKENIZER")).save_pretrained(folder)
     return model
+
+
+# GGUF's names for a Llama's tensors (llama.cpp's convert_hf_to_gguf.py writes these).
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def write_llama_gguf(hf_folder: Path, path: Path, types: dict[str, str]) -> Path:
+    """The tiny Llama of `hf_folder` as a GGUF file, as llama.cpp's converter lays it out (q/k
+    rows permuted for its RoPE), each matrix quantized by the gguf package (llama.cpp's Python
+    reference quantizer) to `types[gguf tensor name without .weight]`, F32 where absent."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    for hf_name, tensor in sorted(load_file(str(hf_folder / "model.safetensors")).items()):
+        if hf_name in _GGUF_GLOBAL_NAMES:
+            name = _GGUF_GLOBAL_NAMES[hf_name]
+        else:
+            index, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+            name = f"blk.{index}.{_GGUF_LAYER_NAMES[rest]}"
+        array = tensor.float().numpy()
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = heads if "attn_q" in name else kv_heads
+            array = (
+                array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:])
+                .swapaxes(1, 2)
+                .reshape(array.shape)
+            )
+        kind = types.get(name.removesuffix(".weight").split(".")[-1])
+        if kind is None:
+            writer.add_tensor(name, array)
+        else:
+            quant = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(array, quant), raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

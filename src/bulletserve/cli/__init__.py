@@ -13,6 +13,7 @@ from typing import NoReturn
 SUBCOMMANDS = {
     "generate": "bulletserve.cli.generate",
     "bench": "bulletserve.cli.bench",
+    "perplexity": "bulletserve.cli.perplexity",
     "profile": "bulletserve.cli.profile",
     "serve": "bulletserve.cli.serve",
     "simulate": "bulletserve.cli.simulate",

@@ -13,7 +13,7 @@ from bulletserve.engine.grammar_limits import (
     DEFAULT_MAX_GRAMMAR_BYTES,
     GrammarLimits,
 )
-from bulletserve.model.source import LOAD_FORMATS
+from bulletserve.model.source import LOAD_FORMATS, check_quantization
 from bulletserve.sched import POLICIES, SLO, SchedulerConfig
 from bulletserve.sched.base import SCHEDULING_POLICIES
 from bulletserve.sched.slo import check_target
@@ -32,6 +32,7 @@ class EngineConfig(SchedulerConfig):
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     revision: str | None = None  # of a Hugging Face id's snapshot in the local cache
     load_format: str = "auto"
+    quantization: str | None = None  # detected from the checkpoint when None (model/loader.py)
     tokenizer: str | None = None  # a tokenizer or model folder; default: the model's own
     dtype: str = "auto"
     device: str = "auto"
@@ -70,6 +71,7 @@ class EngineConfig(SchedulerConfig):
         self.grammar_limits  # noqa: B018 - raises ValueError naming the flag out of range
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
+        check_quantization(self.quantization)
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists():
             raise ValueError(f"--tokenizer {self.tokenizer!r} does not exist")
         if (
@@ -98,11 +100,6 @@ class EngineConfig(SchedulerConfig):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        if getattr(args, "quantization", None) is not None:
-            raise ValueError(
-                f"--quantization {args.quantization}: no quantization is supported yet; the "
-                "weights run in --dtype (bfloat16, float16 or float32)"
-            )
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
         return cls(**values | {"policy": policy_of(args)})
 
@@ -215,7 +212,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        help="not supported yet: any value is refused (weights run in --dtype)",
+        help="how the weights are stored and run; default: detected from the checkpoint. gguf: "
+        "a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks kept packed and read by our "
+        "CPU kernel (other types dequantized at load); none: every weight dequantized to "
+        "--dtype. compressed-tensors, awq, gptq, fp8 and int8 are refused until built",
     )
     group.add_argument(
         "--revision",

@@ -43,7 +43,7 @@ PROMPT_LOGPROB_ROWS = 64
 
 def builds_gemm_kernels(model: DecoderLM, device: torch.device) -> bool:
     """Whether the model's GEMMs on `device` build a kernel per new row count (see above)."""
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     packed = model.packed_linear is not None and model.packed_linear.builds_per_row_count
     return device.type == "cpu" and (packed or dtype in (torch.bfloat16, torch.float16))
 
@@ -455,11 +455,13 @@ def warm_cpu_gemms(
     projections = {
         (m.in_features, m.out_features, m.bias is not None): m
         for m in model.layers.modules()
-        if isinstance(m, Linear)
+        if isinstance(m, Linear) and m.quantized is None  # our quantized kernel builds nothing
     }
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     gemms = [(module, module.in_features, max_rows) for module in projections.values()]
-    gemms.append((model.lm_head_local, model.config.hidden_size, min(max_rows, max_sampled_rows)))
+    if model.quantized_lm_head is None:
+        head_rows = min(max_rows, max_sampled_rows)
+        gemms.append((model.lm_head_local, model.config.hidden_size, head_rows))
     previous = torch.get_num_threads()
     built = 0
     try:

@@ -66,7 +66,15 @@ def build_device_side(
 ) -> DeviceSide:
     """The model (this rank's shard, loaded unless given), a KV pool of the blocks every rank's
     memory holds (its KV heads), and the runner over them."""
-    model = model or load_model(source, dtype, device, max_model_len, seed=config.seed, tp=tp)
+    model = model or load_model(
+        source,
+        dtype,
+        device,
+        max_model_len,
+        seed=config.seed,
+        tp=tp,
+        quantization=config.quantization,
+    )
     blocks = KVPool.num_blocks_for(
         model.shard_config,
         config.block_size,

@@ -25,14 +25,29 @@ from bulletserve.dist.parallel import TensorParallel
 from bulletserve.model.attention import AttentionMetadata, paged_attention
 from bulletserve.model.config import ModelConfig, RopeScaling
 from bulletserve.model.cpu_kernels import FusedOps, LinearKernel
+from bulletserve.model.quantized import PackedPart, QuantizedLinearKernel, QuantizedWeight
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can hand its weight over to a packed CPU GEMM."""
+    """nn.Linear that can hand its weight over to a packed CPU GEMM, or hold a quantized
+    checkpoint's packed blocks in its place."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.kernel: LinearKernel | None = None
+        self.quantized: QuantizedWeight | None = None
+        self.quantized_kernel: QuantizedLinearKernel | None = None
+
+    def use_quantized(self, weight: QuantizedWeight, kernel: QuantizedLinearKernel) -> None:
+        """Run on `weight`'s packed blocks through `kernel` from now on (the float weight,
+        never filled, is dropped)."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight [{weight.out_features}, {weight.in_features}] does not fit "
+                f"a [{self.out_features}, {self.in_features}] projection"
+            )
+        del self.weight
+        self.quantized, self.quantized_kernel = weight, kernel
 
     def use_packed(self, kernel: LinearKernel) -> None:
         """Replace the weight with its packed form and run through `kernel` from now on. One-way:
@@ -43,6 +58,8 @@ class Linear(nn.Linear):
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized_kernel is not None:
+            return self.quantized_kernel(x, self.quantized, self.bias)
         if self.kernel is not None:
             return self.kernel(x, self.packed_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -274,6 +291,10 @@ class DecoderLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, self.local_vocab_size, bias=False)
         self.packed_linear: LinearKernel | None = None
+        # A quantized checkpoint's packed embedding and LM head (`use_quantized_weights`).
+        self.quantized_kernel: QuantizedLinearKernel | None = None
+        self.quantized_embedding: QuantizedWeight | None = None
+        self.quantized_lm_head: QuantizedWeight | None = None
 
     def reset_rotary(self, device: torch.device, max_positions: int) -> None:
         """Rebuild the cos/sin tables on `device` (after construction on the meta device)."""
@@ -286,27 +307,109 @@ class DecoderLM(nn.Module):
                 module.ops = ops
 
     def use_packed_linear(self, kernel: LinearKernel) -> None:
-        """Pack every projection's weight, the LM head's too, for the packed CPU GEMM; one-way
-        (a tied LM head keeps the embedding and gets a packed copy)."""
+        """Pack every float projection's weight, the LM head's too, for the packed CPU GEMM;
+        one-way (a tied LM head keeps the embedding and gets a packed copy)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.quantized is None:
                 module.use_packed(kernel)
-        self.register_buffer(
-            "packed_lm_head", kernel.pack(self.lm_head_weight.detach()), persistent=False
+        if self.quantized_lm_head is None:
+            self.register_buffer(
+                "packed_lm_head", kernel.pack(self.lm_head_weight.detach()), persistent=False
+            )
+            if not self.config.tie_word_embeddings:
+                del self.lm_head
+            self.packed_linear = kernel
+
+    @torch.inference_mode()
+    def use_quantized_weights(
+        self, packed: dict[str, PackedPart], kernel: QuantizedLinearKernel
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Take a quantized checkpoint's packed matrices (Hugging Face names) as they are: the
+        projections, the embedding (rows unpacked as a step looks them up) and the LM head (the
+        embedding's blocks where tied). Returns, unpacked to fp32 for `load_hf_weights`, the
+        parts of fused projections that cannot run packed because another part of the same
+        projection came as floats."""
+        self.quantized_kernel = kernel
+        modules = dict(self.named_modules())
+        fused: dict[str, dict[str, PackedPart]] = {}
+        for hf_name, part in packed.items():
+            name = _our_name(hf_name)
+            match = _FUSED.match(name or "")
+            if match is not None:
+                prefix, piece = match.group(1), match.group(2)
+                target = prefix + ("self_attn.qkv_proj" if piece in "qkv" else "mlp.gate_up_proj")
+                fused.setdefault(target, {})[piece] = part
+            elif name == "embed_tokens.weight":
+                self.quantized_embedding = QuantizedWeight((part,))
+                del self.embed_tokens
+            elif name == "lm_head.weight":
+                self.quantized_lm_head = QuantizedWeight((part,))
+                del self.lm_head
+            elif name is not None and name.endswith(".weight") and name[:-7] in modules:
+                modules[name[:-7]].use_quantized(QuantizedWeight((part,)), kernel)
+            else:
+                raise ValueError(f"unexpected packed weight {hf_name!r}")
+        if self.config.tie_word_embeddings:
+            self.quantized_lm_head = self.quantized_embedding
+        unpacked: list[tuple[str, torch.Tensor]] = []
+        for target, parts in fused.items():
+            order = ("q", "k", "v") if target.endswith("qkv_proj") else ("gate", "up")
+            if all(piece in parts for piece in order):
+                stacked = QuantizedWeight.stack([QuantizedWeight((parts[p],)) for p in order])
+                modules[target].use_quantized(stacked, kernel)
+                continue
+            module_name = target.rsplit(".", 1)[0]
+            for piece, part in parts.items():
+                hf_name = f"model.{module_name}.{piece}_proj.weight"
+                unpacked.append((hf_name, kernel.dequantize(part)))
+        return unpacked
+
+    def weight_formats(self) -> str:
+        """Each layer's projections' formats, runs of alike layers joined, then the embedding's
+        and the LM head's, for the start-up log."""
+
+        def format_of(module: Linear) -> str:
+            if module.quantized is not None:
+                return module.quantized.formats
+            weight = module.packed_weight if module.kernel is not None else module.weight
+            return str(weight.dtype).removeprefix("torch.")
+
+        runs: list[tuple[int, int, str]] = []
+        for index, layer in enumerate(self.layers):
+            names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+            described = ", ".join(
+                f"{n.split('.')[1]} {format_of(layer.get_submodule(n))}" for n in names
+            )
+            if runs and runs[-1][2] == described:
+                runs[-1] = (runs[-1][0], index, described)
+            else:
+                runs.append((index, index, described))
+        parts = [f"layers {a}-{b}: {d}" if a != b else f"layer {a}: {d}" for a, b, d in runs]
+        embedding = self.quantized_embedding
+        head = self.quantized_lm_head
+        parts.append(f"embedding {embedding.formats if embedding else 'float'}")
+        parts.append(
+            f"LM head {head.formats if head else 'float'}"
+            + (" (tied)" if self.config.tie_word_embeddings else "")
         )
-        if not self.config.tie_word_embeddings:
-            del self.lm_head
-        self.packed_linear = kernel
+        return "; ".join(parts)
 
     def layer_projection_weights(self) -> list[torch.Tensor]:
-        """The first layer's projection weights (what the loader times the kernel on)."""
+        """The first layer's float projection weights (what the loader times the packed GEMMs
+        on)."""
         layer = self.layers[0]
-        return [
-            layer.self_attn.qkv_proj.weight,
-            layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight,
-            layer.mlp.down_proj.weight,
+        projections = [
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
         ]
+        return [m.weight for m in projections if m.quantized is None]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (every float weight's)."""
+        return self.norm.weight.dtype
 
     @property
     def local_vocab_size(self) -> int:
@@ -321,6 +424,13 @@ class DecoderLM(nn.Module):
         return self.lm_head.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_embedding is not None:
+            (part,) = self.quantized_embedding.parts
+            ids = input_ids.reshape(-1)
+            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < part.rows:
+                raise IndexError(f"token ids must lie in [0, {part.rows})")
+            rows = self.quantized_kernel.dequantize(part, ids)
+            return rows.to(self.dtype).view(*input_ids.shape, -1)
         return self.embed_tokens(input_ids)
 
     def run_layers(
@@ -348,6 +458,8 @@ class DecoderLM(nn.Module):
 
     def lm_head_local(self, normed: torch.Tensor) -> torch.Tensor:
         """This rank's columns of the logits, in the model's dtype."""
+        if self.quantized_lm_head is not None:
+            return self.quantized_kernel(normed, self.quantized_lm_head)
         if self.packed_linear is not None:
             return self.packed_linear(normed, self.packed_lm_head, self.local_vocab_size)
         return F.linear(normed, self.lm_head_weight)

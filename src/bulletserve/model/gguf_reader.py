@@ -1,7 +1,9 @@
-"""Read a GGUF file into a Hugging Face config dictionary and fp32 tensors with HF names."""
+"""Read a GGUF file into a Hugging Face config dictionary and tensors with HF names: fp32, or
+(`packed=True`) the blocks of the formats our CPU kernel reads, as the file holds them."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -9,7 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from bulletserve.model.quantized import PackedFormat, PackedPart
 from bulletserve.model.source import ModelNotFoundError
+
+log = logging.getLogger(__name__)
 
 # GGUF architecture -> Hugging Face architecture class.
 _ARCHITECTURES = {
@@ -46,15 +51,15 @@ class GGUFError(ValueError):
     """The GGUF file cannot be read or holds something we do not support."""
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_gguf(
+    path: Path, packed: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor | PackedPart]]:
+    """(the Hugging Face config, the tensors by Hugging Face name). Tensors are fp32, except,
+    with `packed`, the matrices stored in a `PackedFormat`, kept as the file's blocks (read
+    from its memory map)."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except FileNotFoundError:
-        raise ModelNotFoundError(f"GGUF file {path} does not exist") from None
-    except (ValueError, OSError, KeyError, IndexError) as exc:
-        raise GGUFError(f"{path} is not a readable GGUF file: {exc}") from None
+    reader = _reader(path)
     meta = {name: _field_value(field) for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
@@ -64,26 +69,69 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         )
     config = _hf_config(meta, arch, reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | PackedPart] = {}
+    unpacked: dict[str, int] = {}
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             continue
-        try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise GGUFError(
-                f"{path}: tensor {tensor.name} uses GGUF type {tensor.tensor_type.name}, "
-                "which the gguf package cannot dequantize"
-            ) from None
-        array = np.array(array, dtype=np.float32)  # a writable copy
+        keep = packed and int(tensor.tensor_type) in PackedFormat._value2member_map_
+        if keep:
+            array = np.array(tensor.data, dtype=np.uint8)  # [rows, row bytes], a copy
+        else:
+            try:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                raise GGUFError(
+                    f"{path}: tensor {tensor.name} uses GGUF type {tensor.tensor_type.name}, "
+                    "which the gguf package cannot dequantize"
+                ) from None
+            array = np.array(array, dtype=np.float32)  # a writable copy
+            if packed and array.ndim == 2:
+                name = tensor.tensor_type.name
+                unpacked[name] = unpacked.get(name, 0) + 1
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp stores q/k rows interleaved for its RoPE kernel; undo it.
+            # llama.cpp stores q/k rows interleaved for its RoPE kernel; undo it (whole rows,
+            # so packed rows move as they are).
             n = heads if "q_proj" in hf_name else kv_heads
             array = _unpermute_rotary_rows(array, n)
-        tensors[hf_name] = torch.from_numpy(array)
+        data = torch.from_numpy(array)
+        if keep:
+            format_ = PackedFormat(int(tensor.tensor_type))
+            tensors[hf_name] = PackedPart(format_, data, int(tensor.shape[0]))
+        else:
+            tensors[hf_name] = data
+    if unpacked:
+        log.info(
+            "%s: matrices of types our kernel does not read packed, dequantized at load: %s",
+            path.name,
+            ", ".join(f"{count} {name}" for name, count in sorted(unpacked.items())),
+        )
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     return config, tensors
+
+
+def read_gguf_config(path: Path) -> dict[str, Any]:
+    """The Hugging Face config of a GGUF file, from its metadata alone."""
+    reader = _reader(path)
+    meta = {name: _field_value(field) for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}")
+    config = _hf_config(meta, arch, reader)
+    config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    return config
+
+
+def _reader(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"GGUF file {path} does not exist") from None
+    except (ValueError, OSError, KeyError, IndexError) as exc:
+        raise GGUFError(f"{path} is not a readable GGUF file: {exc}") from None
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

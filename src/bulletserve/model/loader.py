@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +16,22 @@ from bulletserve.dist.parallel import TensorParallel
 from bulletserve.model.config import ModelConfig
 from bulletserve.model.cpu_kernels import fused_ops, packed_linear_kernel
 from bulletserve.model.decoder import DecoderLM
-from bulletserve.model.gguf_reader import read_gguf
+from bulletserve.model.gguf_reader import read_gguf, read_gguf_config
 from bulletserve.model.presets import get_preset
+from bulletserve.model.quantized import (
+    PackedPart,
+    QuantizedLinearKernel,
+    quantized_linear_kernel,
+)
 from bulletserve.model.shard import weight_split
-from bulletserve.model.source import ModelSource, cache_dir_for, publish_cache_folder
+from bulletserve.model.source import (
+    ModelSource,
+    cache_dir_for,
+    check_quantization,
+    publish_cache_folder,
+)
+
+log = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -60,7 +73,41 @@ def load_config(source: ModelSource) -> ModelConfig:
         return get_preset(source.preset)
     if source.load_format in ("safetensors", "dummy"):
         return ModelConfig.from_json_file(source.path / "config.json")
-    return ModelConfig.from_json_file(_converted_gguf(source.path) / "config.json")
+    return ModelConfig.from_hf_dict(read_gguf_config(source.path))
+
+
+def resolve_quantization(
+    requested: str | None, source: ModelSource, device: torch.device, ranks: int = 1
+) -> tuple[str, QuantizedLinearKernel | None]:
+    """`--quantization` for this checkpoint and device, as vLLM's: detected from the checkpoint
+    when omitted (a GGUF file: gguf), with the kernel that runs it (None for none). An automatic
+    gguf where the packed kernel cannot run (a GPU, no C compiler, weights sharded over `ranks`)
+    falls back to none with a warning; an explicit one is an error."""
+    check_quantization(requested)
+    if requested is None and source.load_format == "safetensors":
+        config = json.loads((source.path / "config.json").read_text())
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        if method is not None:
+            raise ValueError(
+                f"{source.path} is a {method} checkpoint, which bulletserve cannot serve yet"
+            )
+    if requested == "none" or (requested is None and source.load_format != "gguf"):
+        return "none", None
+    if source.load_format != "gguf":
+        raise ValueError(f"--quantization gguf needs a .gguf file; {source.name} is not one")
+    kernel = quantized_linear_kernel(device) if ranks == 1 else None
+    if kernel is not None:
+        return "gguf", kernel
+    if ranks > 1:
+        why = "packed GGUF blocks are not sharded over tensor-parallel ranks yet"
+    elif device.type != "cpu":
+        why = f"packed GGUF blocks run on the CPU only (device {device.type})"
+    else:
+        why = "the packed GGUF kernel is off (BULLET_CPU_KERNELS=0) or did not compile"
+    if requested == "gguf":
+        raise ValueError(f"--quantization gguf: {why}; --quantization none dequantizes at load")
+    log.warning("%s: serving %s dequantized to the model's dtype", why, source.name)
+    return "none", None
 
 
 def load_model(
@@ -71,18 +118,28 @@ def load_model(
     seed: int = 0,
     pack_linear: bool = True,
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> DecoderLM:
-    """A model ready to run, with weights of `dtype` on `device`. `pack_linear=False` keeps
-    PyTorch's GEMM for the projections even where our packed kernel would be faster. `tp`: this
-    rank's shard of the weights only (read in slices from safetensors; the same values as the
-    whole model's)."""
+    """A model ready to run, with weights of `dtype` on `device` (a quantized checkpoint's kept
+    packed where `quantization`, as `resolve_quantization` reads it, says so). `pack_linear=False`
+    keeps PyTorch's GEMM for the float projections even where our packed kernel would be faster.
+    `tp`: this rank's shard of the weights only (read in slices from safetensors; the same values
+    as the whole model's)."""
     config = load_config(source)
+    ranks = 1 if tp is None else tp.size
+    quantization, quantized_kernel = resolve_quantization(quantization, source, device, ranks)
     with torch.device("meta"):
         model = DecoderLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.reset_rotary(device, max_positions)
     if source.load_format == "dummy":
         _fill_random(model, seed)
+    elif quantized_kernel is not None:
+        _, tensors = read_gguf(source.path, packed=True)
+        packed = {name: t for name, t in tensors.items() if isinstance(t, PackedPart)}
+        unpacked = model.use_quantized_weights(packed, quantized_kernel)
+        floats = [(n, t) for n, t in tensors.items() if not isinstance(t, PackedPart)]
+        model.load_hf_weights(floats + unpacked)
     else:
         folder = (
             source.path if source.load_format == "safetensors" else _converted_gguf(source.path)
@@ -90,13 +147,15 @@ def load_model(
         model.load_hf_weights(_safetensors_weights(folder, model))
     model.use_fused_ops(fused_ops(dtype, device))
     with torch.inference_mode():
+        float_weights = model.layer_projection_weights()
         linear = (
-            packed_linear_kernel(dtype, device, model.layer_projection_weights())
-            if pack_linear
+            packed_linear_kernel(dtype, device, float_weights)
+            if pack_linear and float_weights
             else None
         )
         if linear is not None:
             model.use_packed_linear(linear)
+    log.info("weights (--quantization %s): %s", quantization, model.weight_formats())
     if device.type == "cuda":
         # The lanes run on streams of their own, which do not wait for the default stream.
         torch.cuda.synchronize(device)

@@ -19,6 +19,28 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
+# `--quantization`, vLLM's name for each format. gguf: a GGUF file's blocks kept packed (on the
+# CPU); none: every weight dequantized at load and run in --dtype.
+QUANTIZATIONS = ("gguf", "none")
+# vLLM's other names: refused by name until they are built.
+NOT_YET_QUANTIZATIONS = ("compressed-tensors", "awq", "gptq", "fp8", "int8")
+
+
+def check_quantization(requested: str | None) -> None:
+    """ValueError naming the flag for a `--quantization` we do not serve."""
+    if requested is None or requested in QUANTIZATIONS:
+        return
+    if requested in NOT_YET_QUANTIZATIONS:
+        raise ValueError(
+            f"--quantization {requested}: not supported yet; supported: gguf (a GGUF file's "
+            "blocks served packed on the CPU), none (dequantized to --dtype)"
+        )
+    raise ValueError(
+        f"--quantization must be one of {', '.join(QUANTIZATIONS + NOT_YET_QUANTIZATIONS)}, "
+        f"not {requested!r}"
+    )
+
+
 class ModelNotFoundError(ValueError):
     """The model path or name does not point at anything we can load."""
 

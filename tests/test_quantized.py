@@ -1,0 +1,222 @@
+"""GGUF weights served packed: our kernel against the gguf package's own dequantization (llama.cpp's
+Python reference), and a packed model against the same file dequantized at load."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from bulletserve.engine.model_runner import ModelRunner, SeqWork
+from bulletserve.kv.pool import KVPool
+from bulletserve.model.decoder import DecoderLM, Linear
+from bulletserve.model.loader import load_model
+from bulletserve.model.quantized import (
+    PackedFormat,
+    PackedPart,
+    QuantizedLinearKernel,
+    QuantizedWeight,
+    quantized_linear_kernel,
+)
+from bulletserve.model.source import resolve_model
+from tests.tiny_models import write_llama_gguf
+
+# A fused q/k/v of three formats and a gate/up of one, as llama.cpp's mixes (Q4_K_M) do.
+MIXED_TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_1",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q8_0",
+    "token_embd": "Q8_0",
+    "output": "Q4_1",
+}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> QuantizedLinearKernel:
+    found = quantized_linear_kernel(torch.device("cpu"))
+    if found is None:
+        pytest.skip("our CPU kernels do not build here")
+    return found
+
+
+def random_blocks(fmt: PackedFormat, rows: int, width: int, seed: int = 0) -> np.ndarray:
+    """Random bytes for every block (each bit pattern is a valid block) with fp16 scales set to
+    sizes real files hold, so that sums stay finite."""
+    rng = np.random.default_rng(seed)
+    blocks = width // fmt.block_weights
+    data = rng.integers(0, 256, size=(rows, blocks, fmt.block_bytes), dtype=np.uint8)
+    scale_offsets = {PackedFormat.Q6_K: (208,), PackedFormat.Q4_0: (0,), PackedFormat.Q8_0: (0,)}
+    for offset in scale_offsets.get(fmt, (0, 2)):
+        scales = rng.uniform(0.001, 0.02, size=(rows, blocks)).astype(np.float16)
+        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
+    return data.reshape(rows, -1)
+
+
+def reference_weight(data: np.ndarray, fmt: PackedFormat) -> torch.Tensor:
+    array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(int(fmt)))
+    return torch.from_numpy(np.asarray(array, dtype=np.float32))
+
+
+def int8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x with each row's 32-value groups rounded to int8 steps of max|x| / 127 (llama.cpp's
+    Q8_0 activations, what the AVX2 path multiplies)."""
+    groups = x.view(x.shape[0], -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(groups / torch.where(step > 0, step, 1)) * step).view_as(x)
+
+
+@pytest.mark.parametrize("fmt", list(PackedFormat), ids=lambda f: f.name)
+def test_each_format_unpacks_as_the_gguf_package_does(kernel, fmt):
+    data = random_blocks(fmt, 24, 1280)
+    part = PackedPart(fmt, torch.from_numpy(data), 1280)
+    assert torch.equal(kernel.dequantize(part), reference_weight(data, fmt))
+    ids = torch.tensor([23, 0, 7, 7])
+    assert torch.equal(kernel.dequantize(part, ids), reference_weight(data, fmt)[ids])
+
+
+@pytest.mark.parametrize("fmt", list(PackedFormat), ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 40])
+def test_packed_linear_is_dequantize_then_matmul(kernel, fmt, rows):
+    """Both paths (int8 activations where compiled, and fp32), over rows that leave every
+    remainder of the kernel's four-row groups, across the 1,024-weight chunks of the portable
+    path (a width of 2,304)."""
+    width = 2304
+    data = random_blocks(fmt, 40, width, seed=rows)
+    weight = QuantizedWeight((PackedPart(fmt, torch.from_numpy(data), width),))
+    reference = reference_weight(data, fmt)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
+    expected = x @ reference.T
+    scale = float(expected.abs().max())
+    exact = dataclasses.replace(kernel, int8_activations=False)
+    assert float((exact(x, weight) - expected).abs().max()) < 1e-5 * scale
+    if kernel.int8_activations:
+        ours = kernel(x, weight)
+        assert float((ours - int8_groups(x) @ reference.T).abs().max()) < 1e-5 * scale
+        assert float((ours - expected).abs().max()) < 3e-2 * scale
+
+
+def test_a_weight_of_several_formats_with_bias(kernel):
+    """Parts of different formats one above the other, as a fused q/k/v of Q4_K, Q4_K and Q6_K,
+    each part's columns of the output where they belong; bf16 in and out."""
+    width = 512
+    formats = [PackedFormat.Q4_K, PackedFormat.Q4_K, PackedFormat.Q6_K]
+    datas = [random_blocks(f, 16 * (i + 1), width, seed=i) for i, f in enumerate(formats)]
+    pairs = list(zip(formats, datas, strict=True))
+    weight = QuantizedWeight.stack(
+        [QuantizedWeight((PackedPart(f, torch.from_numpy(d), width),)) for f, d in pairs]
+    )
+    assert [p.format for p in weight.parts] == [PackedFormat.Q4_K, PackedFormat.Q6_K]
+    assert (weight.out_features, weight.formats) == (96, "Q4_K+Q6_K")
+    reference = torch.cat([reference_weight(d, f) for f, d in pairs])
+    bias = torch.randn(96)
+    x = torch.randn(2, 3, width)
+    exact = dataclasses.replace(kernel, int8_activations=False)
+    expected = x @ reference.T + bias
+    ours = exact(x.to(torch.bfloat16), weight, bias.to(torch.bfloat16))
+    assert ours.shape == (2, 3, 96) and ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), expected, rtol=3e-2, atol=3e-2 * expected.abs().max())
+    assert torch.allclose(exact(x, weight, bias), expected, atol=1e-5 * expected.abs().max())
+
+
+def test_a_shape_the_kernel_cannot_take_is_refused(kernel):
+    with pytest.raises(ValueError, match="not a whole number"):
+        PackedPart(PackedFormat.Q4_K, torch.zeros(2, 144, dtype=torch.uint8), 300)
+    with pytest.raises(ValueError, match=r"uint8 \[rows, 36\]"):
+        PackedPart(PackedFormat.Q4_0, torch.zeros(2, 40, dtype=torch.uint8), 64)
+    zeros = torch.zeros(2, 68, dtype=torch.uint8)
+    weight = QuantizedWeight((PackedPart(PackedFormat.Q8_0, zeros, 64),))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        kernel(torch.zeros(1, 32), weight)
+
+
+def _all_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    batch = runner.prepare([SeqWork(tokens, 0, runner.pool.allocator.allocate(16), True)])
+    model = runner.model
+    hidden = model.run_layers(
+        model.embed(batch.input_ids), batch.positions, runner.pool.layers, batch.meta
+    )
+    return model.logits(hidden, torch.arange(batch.meta.num_tokens))
+
+
+def _use_kernel(model: DecoderLM, kernel: QuantizedLinearKernel) -> None:
+    model.quantized_kernel = kernel
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            module.quantized_kernel = kernel
+
+
+def _runner(path, quantization: str) -> ModelRunner:
+    model = load_model(
+        resolve_model(str(path)), torch.float32, torch.device("cpu"), 512, quantization=quantization
+    )
+    pool = KVPool(model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    return ModelRunner(model, pool, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tiny_llama_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return write_llama_gguf(tiny_llama_dir, path, MIXED_TYPES)
+
+
+@torch.inference_mode()
+def test_a_packed_gguf_model_computes_what_the_dequantized_one_does(kernel, mixed_gguf, caplog):
+    """A file the gguf package quantized (three formats in one fused q/k/v, a Q8_0 embedding and
+    a Q4_1 LM head): packed, its logits are those of the same file dequantized at load (the
+    path checked against transformers); with int8 activations, close, and greedy choices
+    nearly all the same."""
+    with caplog.at_level(logging.INFO, logger="bulletserve.model.loader"):
+        packed = _runner(mixed_gguf, "gguf")
+    assert "qkv_proj Q4_0+Q4_1+Q8_0, o_proj Q4_1, gate_up_proj Q4_0, down_proj Q8_0" in caplog.text
+    assert "embedding Q8_0; LM head Q4_1" in caplog.text
+    assert all(p.dim() == 1 for p in packed.model.parameters())  # only norms stay float
+    dequantized = _runner(mixed_gguf, "none")
+    tokens = torch.randint(0, 49152, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = _all_logits(dequantized, tokens)
+    _use_kernel(packed.model, dataclasses.replace(kernel, int8_activations=False))
+    exact = _all_logits(packed, tokens)
+    assert float((exact - expected).abs().max()) < 1e-4 * float(expected.abs().max())
+    if kernel.int8_activations:
+        _use_kernel(packed.model, kernel)
+        ours = _all_logits(packed, tokens)
+        assert float((ours - expected).abs().max()) < 5e-2 * float(expected.abs().max())
+        agree = (ours.argmax(-1) == expected.argmax(-1)).float().mean()
+        assert agree >= 0.9
+
+
+def test_quantization_flag(mixed_gguf, tiny_llama_dir):
+    from bulletserve.model.loader import resolve_quantization
+
+    cpu = torch.device("cpu")
+    gguf_source, folder = resolve_model(str(mixed_gguf)), resolve_model(str(tiny_llama_dir))
+    assert resolve_quantization(None, gguf_source, cpu)[0] == "gguf"
+    assert resolve_quantization("none", gguf_source, cpu) == ("none", None)
+    assert resolve_quantization(None, folder, cpu) == ("none", None)
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        resolve_quantization("gguf", folder, cpu)
+    with pytest.raises(ValueError, match="--quantization awq: not supported yet"):
+        resolve_quantization("awq", gguf_source, cpu)
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        resolve_quantization("q4", gguf_source, cpu)
+
+
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, int8_activations):
+    """Bit for bit, alone or among 1 to 9 other rows: greedy outputs do not depend on the batch."""
+    chosen = dataclasses.replace(kernel, int8_activations=int8_activations)
+    x = torch.randn(10, 512, generator=torch.Generator().manual_seed(5))
+    for fmt in (PackedFormat.Q4_K, PackedFormat.Q8_0, PackedFormat.Q6_K):
+        data = torch.from_numpy(random_blocks(fmt, 24, 512))
+        weight = QuantizedWeight((PackedPart(fmt, data, 512),))
+        together = chosen(x, weight)
+        for rows in range(1, 10):
+            assert torch.equal(chosen(x[:rows], weight), together[:rows])
+        assert torch.equal(chosen(x[7:8], weight), together[7:8])
