@@ -1,4 +1,5 @@
-"""Ours against vLLM's CPU build on this machine, side by side, driven by vLLM's own client.
+"""Ours against vLLM's CPU build and llama.cpp's server on this machine, side by side, driven by
+vLLM's own client.
 
 For each repeat, each configuration in turn (interleaved): start its server, run vLLM's
 benchmark client (`../shared/peers/vllm_bench_serve.py`, random dataset, greedy, ignore_eos)
@@ -7,11 +8,18 @@ over repeats of: SLO attainment per rate (a request counts if TTFT <= --slo-ttft
 its prompt tokens and its TPOT <= --slo-tpot-ms), the highest rate at 90% attainment, output
 throughput at saturation (the highest rate), mean TPOT at each concurrency (over
 max(4, concurrency) requests), and the server's peak RSS (its whole process tree). Set up the
-peer first (`../shared/peers/README.md`).
+peers first (`../shared/peers/README.md`).
 
     .venv/bin/python scripts/compare_vllm_cpu.py --configs vllm,chunked,bullet \
         --input-len 384 --output-len 96 --rates 4,6,8,11 --concurrency 1,16,64 --repeats 3 \
         --slo-ttft-per-token-ms 4 --slo-tpot-ms 250 --output compare.json
+
+Quantized weights: `llama` is llama.cpp's `llama-server` on `--gguf` (continuous batching over as
+many slots as the highest concurrency), and ours serve that file too when `--gguf` is given; a
+config's `@Q` suffix passes `--quantization Q` to ours (`chunked@none`: the file dequantized).
+
+    .venv/bin/python scripts/compare_vllm_cpu.py --configs llama,chunked,chunked@none \
+        --gguf FILE.gguf --input-len 256 --output-len 64 --rates 2,4 --concurrency 1,8,32
 """
 
 from __future__ import annotations
@@ -35,15 +43,26 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
 VLLM_PYTHON = "/tmp/vllm-cpu/bin/python"
 PEER_MODEL = "/tmp/smollm2-hf"  # what serve_vllm_cpu.sh serves, and the client's tokenizer
+LLAMA_SERVER = "/tmp/llama-cpp/bin/llama-server"  # ../shared/peers/setup_llama_cpp.sh
+LLAMA_SLOT_CONTEXT = 1024  # tokens a llama-server slot holds
 
 
 def server_command(
-    config: str, port: int, extra: list[str], peer_dtype: str
+    config: str, port: int, extra: list[str], peer_dtype: str, gguf: str | None, slots: int
 ) -> tuple[list[str], str]:
     """(the command that serves `config` on `port`, the model name it reports). `vllm` is the
     peer as serve_vllm_cpu.sh starts it, in `peer_dtype`; `vllm-N` the same with
-    --max-num-batched-tokens N (its chunk), `chunked-N` ours with --chunked-prefill-size N."""
+    --max-num-batched-tokens N (its chunk), `chunked-N` ours with --chunked-prefill-size N;
+    `llama` llama-server on `gguf` with `slots` slots; `...@Q` ours with --quantization Q."""
+    config, _, quantization = config.partition("@")
     policy, _, chunk = config.partition("-")
+    if policy == "llama":
+        if gguf is None:
+            sys.exit("the llama config serves a GGUF file: give --gguf")
+        command = [LLAMA_SERVER, "-m", gguf, "--host", "127.0.0.1", "--port", str(port)]
+        command += ["-t", str(os.cpu_count()), "--parallel", str(slots), "--cont-batching"]
+        command += ["-c", str(slots * LLAMA_SLOT_CONTEXT), "--alias", "llama"]
+        return command, "llama"
     if policy == "vllm":
         command = [str(PEERS / "serve_vllm_cpu.sh"), str(port)]
         if chunk or peer_dtype != "bfloat16":
@@ -62,6 +81,11 @@ def server_command(
     command += ["--port", str(port), "--policy", policy, "--no-enable-prefix-caching", *extra]
     if chunk:
         command += ["--chunked-prefill-size", chunk]
+    if quantization:
+        command += ["--quantization", quantization]
+    if gguf is not None:
+        command += ["--model", gguf, "--served-model-name", "ours"]
+        return command, "ours"
     return command, "SmolLM2-135M-Instruct"
 
 
@@ -191,6 +215,9 @@ def main() -> None:
         default="bfloat16",
         help="vLLM's --dtype: float32 on a CPU without native bf16, where its bf16 is slow",
     )
+    parser.add_argument(
+        "--gguf", default=None, help="a GGUF file llama-server and ours serve (the llama config)"
+    )
     parser.add_argument("--output", default="compare_vllm_cpu.json")
     args = parser.parse_args()
     if not Path(VLLM_PYTHON).exists():
@@ -204,7 +231,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         for config in configs:
             command, name = server_command(
-                config, args.port, args.ours_args.split(), args.peer_dtype
+                config, args.port, args.ours_args.split(), args.peer_dtype, args.gguf, max(levels)
             )
             server = Server(command, args.port, work / f"{config}-{repeat}.log")
             run: dict = {"rates": {}, "concurrency": {}}

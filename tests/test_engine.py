@@ -416,8 +416,8 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
 
 
 def test_flags_a_vllm_user_types(capsys, tmp_path):
-    """--trust-remote-code accepted (it changes nothing here), --quantization refused with what
-    runs instead, --uvicorn-log-level as --log-level, --chat-template a file or inline, and an
+    """--trust-remote-code accepted (it changes nothing here), a --quantization not built yet
+    refused by name with what runs instead, --uvicorn-log-level as --log-level, --chat-template a file or inline, and an
     unknown flag names the closest known one."""
     from bulletserve.cli import CLIError, build_parser, main
     from bulletserve.cli.serve import _chat_template
@@ -425,7 +425,10 @@ def test_flags_a_vllm_user_types(capsys, tmp_path):
     assert main(["serve", "--trust-remote-code", "tiny-org/not-cached"]) == 2
     assert "hf download" in capsys.readouterr().err  # parsed, and on to the model
     assert main(["serve", "--quantization", "awq"]) == 2
-    assert "no quantization is supported yet" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--quantization awq: not supported yet; supported: gguf" in error
+    assert main(["serve", "--quantization", "q4"]) == 2
+    assert "--quantization must be one of gguf, none" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--uvicorn-log-level", "warning"])
     assert args.log_level == "warning"
     template = tmp_path / "t.jinja"

@@ -19,6 +19,7 @@ from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.gguf_reader import read_gguf, read_gguf_config
 from bulletserve.model.presets import get_preset
 from bulletserve.model.quantized import (
+    PackedFormat,
     PackedPart,
     QuantizedLinearKernel,
     quantized_linear_kernel,
@@ -73,7 +74,7 @@ def load_config(source: ModelSource) -> ModelConfig:
         return get_preset(source.preset)
     if source.load_format in ("safetensors", "dummy"):
         return ModelConfig.from_json_file(source.path / "config.json")
-    return ModelConfig.from_hf_dict(read_gguf_config(source.path))
+    return ModelConfig.from_json_file(_gguf_config(source.path))
 
 
 def resolve_quantization(
@@ -135,11 +136,9 @@ def load_model(
     if source.load_format == "dummy":
         _fill_random(model, seed)
     elif quantized_kernel is not None:
-        _, tensors = read_gguf(source.path, packed=True)
-        packed = {name: t for name, t in tensors.items() if isinstance(t, PackedPart)}
+        packed, floats = _packed_gguf(source.path)
         unpacked = model.use_quantized_weights(packed, quantized_kernel)
-        floats = [(n, t) for n, t in tensors.items() if not isinstance(t, PackedPart)]
-        model.load_hf_weights(floats + unpacked)
+        model.load_hf_weights(list(floats.items()) + unpacked)
     else:
         folder = (
             source.path if source.load_format == "safetensors" else _converted_gguf(source.path)
@@ -209,6 +208,53 @@ def _fill_random(model: DecoderLM, seed: int) -> None:
                 full[rows[0] : rows[-1] + 1].copy_(block * 0.02)
             if split is not None:
                 param.copy_(split.take(full, shard))
+
+
+def _gguf_config(gguf_file: Path) -> Path:
+    """A GGUF file's Hugging Face config.json, cached: the gguf package's reader takes seconds
+    to parse a file's metadata (its vocabulary's arrays)."""
+    folder = cache_dir_for(gguf_file, "config") / "config"
+    if not (folder / "config.json").exists():
+        config = read_gguf_config(gguf_file)
+        ModelConfig.from_hf_dict(config)  # validate before writing anything
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        publish_cache_folder(tmp, folder)
+    return folder / "config.json"
+
+
+_PACKED_FORMATS = "packed_formats"  # safetensors metadata: {name: [format id, in_features]}
+
+
+def _packed_gguf(gguf_file: Path) -> tuple[dict[str, PackedPart], dict[str, torch.Tensor]]:
+    """(the packed matrices, the float tensors) of a GGUF file by Hugging Face name, read once
+    into a cached safetensors file (the packed ones as their bytes) and memory-mapped from it
+    after: reading the GGUF file takes seconds."""
+    folder = cache_dir_for(gguf_file, "packed") / "packed"
+    if not (folder / "model.safetensors").exists():
+        _, tensors = read_gguf(gguf_file, packed=True)
+        formats = {
+            name: [int(t.format), t.in_features]
+            for name, t in tensors.items()
+            if isinstance(t, PackedPart)
+        }
+        plain = {n: t.data if isinstance(t, PackedPart) else t for n, t in tensors.items()}
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file(plain, str(tmp / "model.safetensors"), {_PACKED_FORMATS: json.dumps(formats)})
+        publish_cache_folder(tmp, folder)
+    packed: dict[str, PackedPart] = {}
+    floats: dict[str, torch.Tensor] = {}
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        formats = json.loads(f.metadata()[_PACKED_FORMATS])
+        for name in f.keys():
+            if name in formats:
+                format_id, in_features = formats[name]
+                packed[name] = PackedPart(PackedFormat(format_id), f.get_tensor(name), in_features)
+            else:
+                floats[name] = f.get_tensor(name)
+    return packed, floats
 
 
 def _converted_gguf(gguf_file: Path) -> Path:
