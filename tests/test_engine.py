@@ -417,8 +417,8 @@ def test_serve_takes_the_model_as_vllm_serve_does(capsys):
 
 def test_flags_a_vllm_user_types(capsys, tmp_path):
     """--trust-remote-code accepted (it changes nothing here), a --quantization not built yet
-    refused by name with what runs instead, --uvicorn-log-level as --log-level, --chat-template a file or inline, and an
-    unknown flag names the closest known one."""
+    refused by name with what runs instead, --uvicorn-log-level as --log-level, --chat-template
+    a file or inline, and an unknown flag names the closest known one."""
     from bulletserve.cli import CLIError, build_parser, main
     from bulletserve.cli.serve import _chat_template
 

@@ -179,6 +179,14 @@ def test_a_packed_gguf_model_computes_what_the_dequantized_one_does(kernel, mixe
     assert "embedding Q8_0; LM head Q4_1" in caplog.text
     assert all(p.dim() == 1 for p in packed.model.parameters())  # only norms stay float
     dequantized = _runner(mixed_gguf, "none")
+    assert dequantized.model.weight_bits is None
+    weights = [m.quantized for m in packed.model.modules() if getattr(m, "quantized", None)]
+    weights.append(packed.model.quantized_lm_head)
+    parts = [p for w in weights for p in w.parts]
+    bits = sum(p.format.bits_per_weight * p.rows * p.in_features for p in parts)
+    assert packed.model.weight_bits == pytest.approx(
+        bits / sum(p.rows * p.in_features for p in parts)
+    )
     tokens = torch.randint(0, 49152, (37,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = _all_logits(dequantized, tokens)
     _use_kernel(packed.model, dataclasses.replace(kernel, int8_activations=False))

@@ -246,3 +246,25 @@ def test_gpu_steps_script_predicts_each_measured_step_of_the_device_check():
     units = int(split.split("/")[0])
     es = ExecutionState(prefill_lens=(2048,), prefill_units=units)
     assert predicted == pytest.approx(perf.predict(es).prefill_s * 1e3)
+
+
+def test_a_quantized_models_decode_reads_its_formats_bytes_and_prefill_computes_as_much():
+    """Decode at batch 4 (memory-bound: the weights dominate what it reads) falls with the bits
+    a weight takes; a long prefill (compute-bound but for its one LM-head row) hardly moves."""
+    from bulletserve.perf.inventory import WEIGHT_FORMAT_BITS
+
+    decode = ExecutionState(decode_ctx=(512,) * 4, decode_units=H100.units)
+    prefill = ExecutionState(prefill_lens=(4096,), prefill_units=H100.units)
+    plain = PerfModel(LLAMA, UNCALIBRATED)
+    times = {None: plain.roofline(decode, "decode")}
+    for name in ("q8_0", "q6_k", "q4_k"):
+        model = PerfModel(LLAMA, UNCALIBRATED, weight_bits=WEIGHT_FORMAT_BITS[name])
+        times[name] = model.roofline(decode, "decode")
+        at_prefill = model.roofline(prefill, "prefill")
+        assert at_prefill == pytest.approx(plain.roofline(prefill, "prefill"), rel=0.01)
+    assert times[None] > times["q8_0"] > times["q6_k"] > times["q4_k"]
+    # bf16's 16 bits against Q4_K's 4.5: the step shrinks by nearly that ratio (the KV cache
+    # and activations it also reads do not)
+    assert 2.5 < times[None] / times["q4_k"] < 16 / 4.5
+    with pytest.raises(ValueError, match="weight_bits"):
+        PerfModel(LLAMA, UNCALIBRATED, weight_bits=0)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from bulletserve.bench.records import load_result
 from bulletserve.cli import main
 
@@ -55,3 +59,20 @@ def test_simulate_a_tensor_parallel_model(capsys):
     assert "does not divide" in capsys.readouterr().err
     assert main([*args[:2], "h200", *args[3:], "-tp", "8"]) == 2
     assert "no all-reduce times for 8 ranks" in capsys.readouterr().err
+
+
+def test_simulate_a_quantized_model(tmp_path):
+    """`bullet simulate --quantization`: the same load, served faster where decode reads fewer
+    bytes (Llama-3.1-8B on the H200 preset, decode-heavy lengths), and an unknown format named."""
+    tpots = {}
+    for quantization in (None, "q4_k"):
+        out = tmp_path / f"{quantization}.json"
+        argv = ["simulate", "--hardware", "h200", "--model", "llama-3.1-8b", "--dataset"]
+        argv += ["random", "--input-len", "128", "--output-len", "256", "--num-prompts", "60"]
+        argv += ["--request-rate", "4", "--output", str(out)]
+        assert main(argv + (["--quantization", quantization] if quantization else [])) == 0
+        (run,) = json.loads(out.read_text())["runs"]
+        tpots[quantization] = run["summary"]["tpot_ms"]["mean"]
+    assert tpots["q4_k"] < 0.6 * tpots[None]
+    with pytest.raises(SystemExit):
+        main(["simulate", "--quantization", "q3_k"])

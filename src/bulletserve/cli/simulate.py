@@ -19,6 +19,7 @@ from pathlib import Path
 from bulletserve.cli import CLIError
 from bulletserve.cli.bench import add_service_class_args, add_slo_args, service_classes
 from bulletserve.engine.config import add_scheduler_args, policy_of
+from bulletserve.perf.inventory import WEIGHT_FORMAT_BITS
 from bulletserve.sched import SchedulerConfig
 from bulletserve.sim.defaults import (
     CAPACITY_GRIDS,
@@ -114,6 +115,14 @@ def _add_device_args(
         "(llama-3.1-8b, llama-3.1-70b, qwen3-8b, smollm2-135m, tiny) or config.json",
     )
     group.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=tuple(WEIGHT_FORMAT_BITS),
+        help="the GEMMs' weights in this packed GGUF format (its bits a weight, scales "
+        "included: Q4_K 4.5, Q8_0 8.5, ...): fewer bytes a step reads and the weights hold in "
+        "memory; the FLOPs stay (default: weights in --dtype)",
+    )
     group.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -292,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
             trace_arrivals=args.trace_arrivals,
             random_lengths=RandomLengths(args.input_len, args.output_len, args.range_ratio),
             dtype=args.dtype,
+            quantization=args.quantization,
             tensor_parallel_size=args.tensor_parallel_size,
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,

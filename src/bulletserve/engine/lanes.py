@@ -67,6 +67,7 @@ class Lanes:
         self.book = parts.book
         self.life = parts.life
         self.model_config = parts.model.config
+        self._weight_bits = parts.model.weight_bits
         self.runner = parts.runner
         self.sampler = parts.sampler
         self.device = parts.device
@@ -116,6 +117,7 @@ class Lanes:
             DTYPE_NAMES[self.dtype],
             tensor_parallel_size=ranks,
             price_collectives=priced,
+            weight_bits=self._weight_bits,
         )
         config = self.config
         if isinstance(self.units, WholeGPU):  # one stream for both lanes: nothing to split

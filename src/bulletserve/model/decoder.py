@@ -407,6 +407,18 @@ class DecoderLM(nn.Module):
         return [m.weight for m in projections if m.quantized is None]
 
     @property
+    def weight_bits(self) -> float | None:
+        """Bits a projection or LM-head weight takes on average where some are quantized (the
+        performance model's bytes a weight), else None."""
+        quantized = [m.quantized for m in self.modules() if isinstance(m, Linear) and m.quantized]
+        if self.quantized_lm_head is not None:
+            quantized.append(self.quantized_lm_head)
+        if not quantized:
+            return None
+        weights = sum(w.in_features * w.out_features for w in quantized)
+        return 8 * sum(w.nbytes for w in quantized) / weights
+
+    @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype (every float weight's)."""
         return self.norm.weight.dtype

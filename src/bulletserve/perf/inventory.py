@@ -12,8 +12,10 @@ Each op's cost is linear in four counts of its phase, in this order:
 Conventions (per element): a GEMM costs 2*M*N*K FLOPs and reads its input and weights and
 writes its output once; RMSNorm 4 FLOPs; RoPE 3; SiLU-and-multiply 5; softmax sampling 5 per
 logit over fp32 logits; attention 4*head_dim FLOPs per pair and head (QK^T and PV), reading
-Q and K/V once (flash-style) and writing O and the new K/V entries. Activations, weights and the
-KV cache share one dtype of `dtype_bytes` bytes.
+Q and K/V once (flash-style) and writing O and the new K/V entries. Activations and the KV cache
+share one dtype of `dtype_bytes` bytes; the GEMMs' weights take that too, or `weight_bytes` a
+weight where they are quantized (a packed format's bits, its scales included, over 8). A
+quantized GEMM's FLOPs are the same (2 a weight and row): it reads fewer bytes, computes as much.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ Counts = tuple[float, float, float, float]
 # the last layer.
 LAYER, FIRST, LAST = "layer", "first", "last"
 LOGIT_BYTES = 4  # the sampler works on fp32 logits
+
+# Bits a weight takes in each packed format (ggml's blocks, their scales included), for
+# `bullet simulate --quantization`; the engine passes the bits its loaded weights measure.
+WEIGHT_FORMAT_BITS = {
+    "q8_0": 8.5,
+    "q4_0": 4.5,
+    "q4_1": 5.0,
+    "q4_k": 4.5,
+    "q5_k": 5.5,
+    "q6_k": 6.5625,
+}
 
 
 @dataclass(frozen=True)
@@ -64,23 +77,30 @@ def _per(index: int, value: float) -> Counts:
     return (out[0], out[1], out[2], out[3])
 
 
-def _gemm(name: str, scope: str, k: int, n: int, d: int, bias: bool, rows: int) -> OpTemplate:
+def _gemm(
+    name: str, scope: str, k: int, n: int, d: int, w: float, bias: bool, rows: int
+) -> OpTemplate:
+    """`d` bytes an activation, `w` a weight."""
     flops = 2 * k * n + (n if bias else 0)
-    weights = (k * n + (n if bias else 0)) * d
+    weights = k * n * w + (n if bias else 0) * d
     return OpTemplate(
         name, scope, _per(rows, flops), _per(rows, (k + n) * d), weights, gemm_n=n, gemm_rows=rows
     )
 
 
 @lru_cache(maxsize=64)
-def op_templates(cfg: ModelConfig, dtype_bytes: int) -> tuple[OpTemplate, ...]:
-    """The cost templates of every op of a step of `cfg` (cached per config and dtype)."""
+def op_templates(
+    cfg: ModelConfig, dtype_bytes: int, weight_bytes: float | None = None
+) -> tuple[OpTemplate, ...]:
+    """The cost templates of every op of a step of `cfg` (cached per config, dtype and weight
+    bytes; `weight_bytes` None: the GEMMs' weights in the dtype)."""
     d = dtype_bytes
+    w = float(d if weight_bytes is None else weight_bytes)
     h, i, q, kv, v = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.vocab_size
     norm = OpTemplate("input_norm", LAYER, _per(TOKENS, 4 * h), _per(TOKENS, 2 * h * d), h * d)
     ops = [
         norm,
-        _gemm("qkv_proj", LAYER, h, q + 2 * kv, d, cfg.attention_bias, TOKENS),
+        _gemm("qkv_proj", LAYER, h, q + 2 * kv, d, w, cfg.attention_bias, TOKENS),
     ]
     if cfg.qk_norm:
         qk = q + kv
@@ -97,15 +117,15 @@ def op_templates(cfg: ModelConfig, dtype_bytes: int) -> tuple[OpTemplate, ...]:
     ops += [
         OpTemplate("rope", LAYER, _per(TOKENS, 3 * (q + kv)), _per(TOKENS, 2 * (q + kv) * d)),
         OpTemplate("attention", LAYER, _per(PAIRS, 4 * cfg.head_dim * cfg.num_heads), attn_bytes),
-        _gemm("o_proj", LAYER, q, h, d, False, TOKENS),
+        _gemm("o_proj", LAYER, q, h, d, w, False, TOKENS),
         OpTemplate("residual_add", LAYER, _per(TOKENS, 2 * h), _per(TOKENS, 6 * h * d)),
         OpTemplate("post_norm", LAYER, norm.flops, norm.bytes, norm.fixed_bytes),
-        _gemm("gate_up_proj", LAYER, h, 2 * i, d, False, TOKENS),
+        _gemm("gate_up_proj", LAYER, h, 2 * i, d, w, False, TOKENS),
         OpTemplate("act", LAYER, _per(TOKENS, 5 * i), _per(TOKENS, 3 * i * d)),
-        _gemm("down_proj", LAYER, i, h, d, False, TOKENS),
+        _gemm("down_proj", LAYER, i, h, d, w, False, TOKENS),
         OpTemplate("embedding", FIRST, _per(TOKENS, 0), _per(TOKENS, 2 * h * d)),
         OpTemplate("final_norm", LAST, _per(SEQS, 4 * h), _per(SEQS, 2 * h * d), h * d),
-        _gemm("lm_head", LAST, h, v, d, False, SEQS),
+        _gemm("lm_head", LAST, h, v, d, w, False, SEQS),
         OpTemplate("sampling", LAST, _per(SEQS, 5 * v), _per(SEQS, v * LOGIT_BYTES)),
     ]
     return tuple(ops)
@@ -140,7 +160,13 @@ def phase_counts(es: ExecutionState, phase: str) -> Counts:
     raise ValueError(f"unknown phase {phase!r}; expected 'prefill' or 'decode'")
 
 
-def step_ops(cfg: ModelConfig, es: ExecutionState, phase: str, dtype_bytes: int) -> list[Op]:
+def step_ops(
+    cfg: ModelConfig,
+    es: ExecutionState,
+    phase: str,
+    dtype_bytes: int,
+    weight_bytes: float | None = None,
+) -> list[Op]:
     """Every op `phase` runs in step `es`, with FLOPs and bytes per instance."""
     counts = phase_counts(es, phase)
     if counts[TOKENS] == 0:
@@ -148,7 +174,7 @@ def step_ops(cfg: ModelConfig, es: ExecutionState, phase: str, dtype_bytes: int)
     layers, first, last = phase_layers(cfg, es, phase)
     repeat = {LAYER: layers, FIRST: int(first), LAST: int(last)}
     ops = []
-    for t in op_templates(cfg, dtype_bytes):
+    for t in op_templates(cfg, dtype_bytes, weight_bytes):
         if repeat[t.scope] == 0:
             continue
         flops = sum(a * b for a, b in zip(t.flops, counts, strict=True))

@@ -129,9 +129,12 @@ class PerfModel:
         correction_weight: float = 0.1,
         tensor_parallel_size: int = 1,
         price_collectives: bool = True,
+        weight_bits: float | None = None,
     ) -> None:
         """`price_collectives=False`: leave tensor parallelism's collectives out (a profile
-        without all-reduce times for the ranks; the online correction takes them in)."""
+        without all-reduce times for the ranks; the online correction takes them in).
+        `weight_bits`: bits a GEMM weight takes where the weights are quantized (None: the
+        dtype's)."""
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
         if dtype not in hw.peak_flops:
@@ -141,7 +144,10 @@ class PerfModel:
             )
         if not 0 < correction_weight <= 1:
             raise ValueError("correction_weight must be in (0, 1]")
+        if weight_bits is not None and not 0 < weight_bits <= 32:
+            raise ValueError(f"weight_bits must be in (0, 32], got {weight_bits}")
         self.cfg, self.hw, self.dtype = cfg, hw, dtype
+        self.weight_bytes = None if weight_bits is None else weight_bits / 8
         self.tensor_parallel_size = tensor_parallel_size
         rank_cfg = replace(
             cfg.sharded(tensor_parallel_size),
@@ -164,7 +170,7 @@ class PerfModel:
             FIRST: [],
             LAST: [],
         }
-        for t in op_templates(rank_cfg, DTYPE_BYTES[dtype]):
+        for t in op_templates(rank_cfg, DTYPE_BYTES[dtype], self.weight_bytes):
             self._ops[t.scope].append((t.flops, t.bytes, t.fixed_bytes, t.gemm_n, t.gemm_rows))
         cal = hw.calibration
         self._alpha = {p: AlphaSurface.from_table(t) for p, t in cal.alpha.items() if t}
@@ -242,7 +248,7 @@ class PerfModel:
         units = float(es.prefill_units if phase == "prefill" else es.decode_units)
         c_p, d_p = self._unit_rates(units)
         times = {}
-        for op in step_ops(self.cfg, es, phase, DTYPE_BYTES[self.dtype]):
+        for op in step_ops(self.cfg, es, phase, DTYPE_BYTES[self.dtype], self.weight_bytes):
             gemm = (op.gemm_m, op.gemm_n) if op.gemm_n else None
             t = op_time(op.flops, op.bytes, c_p, d_p, units, gemm, self._tile)
             times[op.name] = op.repeat * t

@@ -15,6 +15,7 @@ from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.records import BenchResult, RunResult
 from bulletserve.model.config import ModelConfig
 from bulletserve.partition.limits import gpu_min_remainder
+from bulletserve.perf.inventory import WEIGHT_FORMAT_BITS
 from bulletserve.sched import SchedulerConfig, make_policy
 from bulletserve.sched.base import Policy
 from bulletserve.sched.bullet import BulletPolicy, UnitSpace
@@ -56,6 +57,7 @@ class SimConfig(SchedulerConfig):
     trace_arrivals: bool = False
     random_lengths: RandomLengths = field(default_factory=RandomLengths)
     dtype: str = "bfloat16"
+    quantization: str | None = None  # a packed format of perf.inventory.WEIGHT_FORMAT_BITS
     tensor_parallel_size: int = 1  # GPUs of one node the model is sharded over
     max_model_len: int | None = None
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
@@ -73,6 +75,11 @@ class SimConfig(SchedulerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.quantization is not None and self.quantization not in WEIGHT_FORMAT_BITS:
+            raise ValueError(
+                f"--quantization must be one of {', '.join(WEIGHT_FORMAT_BITS)}, not "
+                f"{self.quantization!r}"
+            )
         if self.send_priority and self.scheduling_policy == "fcfs":
             raise ValueError(
                 "--send-priority needs --scheduling-policy priority (a server that schedules "
@@ -97,8 +104,9 @@ class SimSetup:
 def setup(config: SimConfig) -> SimSetup:
     hw = load_hardware(config.hardware)
     model = load_model_config(config.model)
+    bits = WEIGHT_FORMAT_BITS.get(config.quantization or "")
     try:
-        perf = CachedPerfModel(model, hw, config.dtype, config.tensor_parallel_size)
+        perf = CachedPerfModel(model, hw, config.dtype, config.tensor_parallel_size, bits)
     except ValueError as exc:
         raise SimSetupError(str(exc)) from None
     if config.num_gpu_blocks_override is not None:
@@ -113,6 +121,7 @@ def setup(config: SimConfig) -> SimSetup:
             memory,
             config.gpu_memory_utilization,
             config.tensor_parallel_size,
+            bits,
         )
     max_model_len = config.max_model_len or model.max_position_embeddings
     if num_blocks * config.block_size < max_model_len and config.max_model_len is None:

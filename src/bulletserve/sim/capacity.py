@@ -51,6 +51,7 @@ class Task:
     target: float
     slo: SLO | None = None  # None: the paper's SLOs for the workload
     dtype: str = "bfloat16"
+    quantization: str | None = None
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -113,6 +114,7 @@ def walk(task: Task) -> dict[float, float]:
         slo=task.slo or PAPER_SLOS[dataset_family(task.dataset) or ""],
         seed=task.seed,
         dtype=task.dtype,
+        quantization=task.quantization,
         tensor_parallel_size=task.tensor_parallel_size,
         max_model_len=task.max_model_len,
         num_gpu_blocks_override=task.num_gpu_blocks_override,
@@ -256,6 +258,7 @@ def from_args(args: argparse.Namespace) -> int:
     engine = {
         "slo": custom_slo,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
         "max_model_len": args.max_model_len,
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
@@ -310,6 +313,7 @@ def from_args(args: argparse.Namespace) -> int:
             "target": args.target,
             "slo": None if custom_slo is None else dataclasses.asdict(custom_slo),
             "dtype": args.dtype,
+            "quantization": args.quantization,
             "attainment": {
                 d: {p: {f"{r:g}": a for r, a in g.items()} for p, g in by_policy.items()}
                 for d, by_policy in results.items()

@@ -33,8 +33,11 @@ class CachedPerfModel(PerfModel):
         hw: HardwareProfile,
         dtype: str = "bfloat16",
         tensor_parallel_size: int = 1,
+        weight_bits: float | None = None,
     ) -> None:
-        super().__init__(cfg, hw, dtype, tensor_parallel_size=tensor_parallel_size)
+        super().__init__(
+            cfg, hw, dtype, tensor_parallel_size=tensor_parallel_size, weight_bits=weight_bits
+        )
         self._cache: dict[ExecutionState, StepPrediction] = {}
 
     def uncorrected(self, es: ExecutionState) -> StepPrediction:

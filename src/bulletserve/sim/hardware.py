@@ -72,14 +72,17 @@ def load_model_config(spec: str) -> ModelConfig:
         raise SimSetupError(f"--model {spec}: {exc}") from None
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> float:
+def weight_bytes(
+    cfg: ModelConfig, dtype: str, tensor_parallel_size: int = 1, weight_bits: float | None = None
+) -> float:
     """One rank's weights: its share of every layer and of the LM head, and the whole
-    embedding (the engine's layout, `model.shard`)."""
+    embedding (the engine's layout, `model.shard`), in `dtype` or `weight_bits` a weight."""
     embedding = cfg.vocab_size * cfg.hidden_size
     lm_head = 0 if cfg.tie_word_embeddings else embedding
     layers = cfg.num_parameters() - embedding - lm_head
     params = layers / tensor_parallel_size + embedding + lm_head / tensor_parallel_size
-    return float(params * DTYPE_BYTES[dtype])
+    per_weight = DTYPE_BYTES[dtype] if weight_bits is None else weight_bits / 8
+    return float(params * per_weight)
 
 
 def kv_cache_blocks(
@@ -89,10 +92,11 @@ def kv_cache_blocks(
     device_memory: float,
     utilization: float = GPU_MEMORY_UTILIZATION,
     tensor_parallel_size: int = 1,
+    weight_bits: float | None = None,
 ) -> int:
     """KV blocks that fit in utilization x each device's memory once its weights are loaded
     (under tensor parallelism a block holds each rank's share of the KV heads)."""
-    weights = weight_bytes(cfg, dtype, tensor_parallel_size)
+    weights = weight_bytes(cfg, dtype, tensor_parallel_size, weight_bits)
     kv_bytes = utilization * device_memory - weights
     try:
         rank_cfg = cfg.sharded(tensor_parallel_size)
