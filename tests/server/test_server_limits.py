@@ -175,9 +175,10 @@ def test_clients_that_leave_during_their_compile_free_their_slots_and_the_cores_
     try:
         with running_app(engine, max_waiting_requests=2) as url:
             warm = {"prompt": "Hi", "max_tokens": 2, "guided_regex": "[a-z]+"}
-            assert (
-                httpx.post(url + "/v1/completions", json=warm, trust_env=False).status_code == 200
-            )
+            # The first compile waits for the compiler process to start: 3 s alone, and more
+            # than httpx's default 5 s of patience on a busy machine.
+            response = httpx.post(url + "/v1/completions", json=warm, trust_env=False, timeout=60)
+            assert response.status_code == 200, response.text
             (worker,) = _grammar_workers()
             slow = {"prompt": "Hi", "max_tokens": 2, "guided_grammar": SLOW_GRAMMAR}
             for _ in range(2):  # both waiting slots, each client gone after 1 s
