@@ -23,10 +23,11 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm_fp32() -> LLM:
-    """The file dequantized at load (served packed, decode steps quantize activations to int8
-    as llama.cpp does, and greedy choices part from transformers' fp32 ones within a few
-    tokens: `test_packed_perplexity_is_the_dequantized_models` bounds that difference)."""
-    return LLM(dtype="float32", max_model_len=1024, quantization="none")
+    """The file dequantized at load, as the embedded default is served (packed, its steps
+    quantize activations to int8 as llama.cpp does, and greedy choices part from transformers'
+    fp32 ones within a few tokens: `test_packed_perplexity_is_the_dequantized_models` bounds
+    that difference)."""
+    return LLM(dtype="float32", max_model_len=1024)
 
 
 def test_greedy_output_equals_transformers_generate(llm_fp32):

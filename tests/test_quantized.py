@@ -216,6 +216,15 @@ def test_quantization_flag(mixed_gguf, tiny_llama_dir):
         resolve_quantization("q4", gguf_source, cpu)
 
 
+def test_the_embedded_default_is_served_dequantized_unless_asked_packed():
+    """The measured decision (docs/benchmarks.md "Quantized models")."""
+    from bulletserve.model.loader import resolve_quantization
+
+    embedded, cpu = resolve_model(None), torch.device("cpu")
+    assert resolve_quantization(None, embedded, cpu) == ("none", None)
+    assert resolve_quantization("gguf", embedded, cpu)[0] == "gguf"
+
+
 @pytest.mark.parametrize("int8_activations", [True, False])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, int8_activations):
     """Bit for bit, alone or among 1 to 9 other rows: greedy outputs do not depend on the batch."""

@@ -48,6 +48,26 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model, --load-format, --device and --dtype, for the commands that load a model outside
+    the engine (`bullet profile`, `bullet perplexity`)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder, .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy")
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on a GPU and on a CPU with native bf16, else float32), "
+        "bfloat16, float16, float32",
+    )
+
+
 def _every_action(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """The parser's actions and those of its subcommands' parsers."""
     actions = list(parser._actions)

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bulletserve.cli import CLIError
+from bulletserve.cli import CLIError, add_model_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -18,14 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "chunk alone and scores the second half of each, as llama-perplexity does: the same "
         "file and text give the same tokens scored by both.",
     )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF folder, .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy")
-    )
+    add_model_args(parser)
     parser.add_argument(
         "--quantization",
         "-q",
@@ -35,8 +28,6 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="a tokenizer folder (default: the model's)"
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", help="as `bullet serve`'s")
     parser.add_argument("--text", type=Path, default=None, help="a UTF-8 text file")
     parser.add_argument("--ctx-size", "-c", type=int, default=512, help="tokens a chunk")
     parser.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")

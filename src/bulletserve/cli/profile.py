@@ -7,28 +7,14 @@ import sys
 import time
 from pathlib import Path
 
-from bulletserve.cli import CLIError
+from bulletserve.cli import CLIError, add_model_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     parser = subparsers.add_parser(
         name, help="measure the device (peaks, N_d, step times) and fit the performance model"
     )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF folder, .gguf file, or a dummy preset (default: embedded SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument(
-        "--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy")
-    )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (bf16 on a GPU and on a CPU with native bf16, else float32), "
-        "bfloat16, float16, float32",
-    )
+    add_model_args(parser)
     parser.add_argument("--output", type=Path, default=Path("profile.json"))
     parser.add_argument("--name", default=None, help="profile name (default: the device's)")
     parser.add_argument("--quick", action="store_true", help="a smaller sweep (under 2 minutes)")

@@ -92,38 +92,28 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
 }
 
 /* Q4_K: d, dmin (fp16), 12 scale bytes, 128 bytes of nibbles; per 64 weights, 32 bytes: the low
- * nibbles are sub-block 2j, the high ones 2j + 1. */
-static void unpack_q4_k(const uint8_t *b, float *y) {
+ * nibbles are sub-block 2j, the high ones 2j + 1. Q5_K: the same with 32 bytes of fifth bits
+ * before the nibbles (bit 2j of byte l: weight l of sub-block 2j). */
+static inline void unpack_k4(const uint8_t *b, float *y, const int five_bits) {
     const float d = half(b), dmin = half(b + 2);
-    const uint8_t *scales = b + 4, *q = b + 16;
+    const uint8_t *scales = b + 4, *high = b + 16, *q = b + (five_bits ? 48 : 16);
     for (int j = 0; j < 4; ++j, q += 32, y += 64) {
         int s0, m0, s1, m1;
         scale_min_k4(2 * j, scales, &s0, &m0);
         scale_min_k4(2 * j + 1, scales, &s1, &m1);
         const float d0 = d * s0, o0 = dmin * m0, d1 = d * s1, o1 = dmin * m1;
         for (int l = 0; l < 32; ++l) {
-            y[l] = d0 * (q[l] & 15) - o0;
-            y[l + 32] = d1 * (q[l] >> 4) - o1;
+            const int h0 = five_bits ? ((high[l] >> (2 * j)) & 1) << 4 : 0;
+            const int h1 = five_bits ? ((high[l] >> (2 * j + 1)) & 1) << 4 : 0;
+            y[l] = d0 * ((q[l] & 15) | h0) - o0;
+            y[l + 32] = d1 * ((q[l] >> 4) | h1) - o1;
         }
     }
 }
 
-/* Q5_K: Q4_K's layout plus 32 bytes of fifth bits (bit 2j of byte l: weight l of sub-block 2j). */
-static void unpack_q5_k(const uint8_t *b, float *y) {
-    const float d = half(b), dmin = half(b + 2);
-    const uint8_t *scales = b + 4, *high = b + 16, *q = b + 48;
-    for (int j = 0; j < 4; ++j, q += 32, y += 64) {
-        int s0, m0, s1, m1;
-        scale_min_k4(2 * j, scales, &s0, &m0);
-        scale_min_k4(2 * j + 1, scales, &s1, &m1);
-        const float d0 = d * s0, o0 = dmin * m0, d1 = d * s1, o1 = dmin * m1;
-        for (int l = 0; l < 32; ++l) {
-            const int h0 = (high[l] >> (2 * j)) & 1, h1 = (high[l] >> (2 * j + 1)) & 1;
-            y[l] = d0 * ((q[l] & 15) | (h0 << 4)) - o0;
-            y[l + 32] = d1 * ((q[l] >> 4) | (h1 << 4)) - o1;
-        }
-    }
-}
+static void unpack_q4_k(const uint8_t *b, float *y) { unpack_k4(b, y, 0); }
+
+static void unpack_q5_k(const uint8_t *b, float *y) { unpack_k4(b, y, 1); }
 
 /* Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16); per 128
  * weights, 64 low bytes and 32 high ones. */
