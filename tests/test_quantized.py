@@ -177,6 +177,7 @@ def test_a_packed_gguf_model_computes_what_the_dequantized_one_does(kernel, mixe
         packed = _runner(mixed_gguf, "gguf")
     assert "qkv_proj Q4_0+Q4_1+Q8_0, o_proj Q4_1, gate_up_proj Q4_0, down_proj Q8_0" in caplog.text
     assert "embedding Q8_0; LM head Q4_1" in caplog.text
+    assert "projections ours (C), GGUF blocks packed" in packed.kernels()
     assert all(p.dim() == 1 for p in packed.model.parameters())  # only norms stay float
     dequantized = _runner(mixed_gguf, "none")
     assert dequantized.model.weight_bits is None

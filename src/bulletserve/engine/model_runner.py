@@ -208,7 +208,7 @@ class ModelRunner:
 
     def kernels(self) -> str:
         """Which code runs each part of a step, as chosen at load (the startup log's line)."""
-        linear = next(
+        linear = self.model.quantized_kernel or next(
             (m.kernel for m in self.model.modules() if getattr(m, "kernel", None) is not None),
             None,
         )

@@ -125,13 +125,16 @@ class QuantizedWeight:
 class QuantizedLinearKernel:
     """y = x W^T (+ bias) for a `QuantizedWeight` on the CPU; x of fp32 or bf16."""
 
-    label = "ours (C), GGUF blocks unpacked in cache"
-
     linear: ctypes._CFuncPtr
     unpack: ctypes._CFuncPtr
     # Whether activations are quantized to int8 per 32 values, as llama.cpp does (where
     # compiled: AVX2); else the products are the dequantized weights' in fp32.
     int8_activations: bool
+
+    @property
+    def label(self) -> str:
+        activations = "int8" if self.int8_activations else "fp32"
+        return f"ours (C), GGUF blocks packed, {activations} activations"
 
     def __call__(
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
