@@ -60,14 +60,8 @@ def read_gguf(
     import gguf
 
     reader = _reader(path)
-    meta = {name: _field_value(field) for name, field in reader.fields.items()}
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: unsupported GGUF architecture {arch!r}; "
-            f"supported: {', '.join(_ARCHITECTURES)}"
-        )
-    config = _hf_config(meta, arch, reader)
+    config = _config(reader, path)
+    arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor | PackedPart] = {}
     unpacked: dict[str, int] = {}
@@ -107,17 +101,22 @@ def read_gguf(
             path.name,
             ", ".join(f"{count} {name}" for name, count in sorted(unpacked.items())),
         )
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     return config, tensors
 
 
 def read_gguf_config(path: Path) -> dict[str, Any]:
     """The Hugging Face config of a GGUF file, from its metadata alone."""
-    reader = _reader(path)
+    return _config(_reader(path), path)
+
+
+def _config(reader: Any, path: Path) -> dict[str, Any]:
     meta = {name: _field_value(field) for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
-        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r}")
+        raise GGUFError(
+            f"{path}: unsupported GGUF architecture {arch!r}; "
+            f"supported: {', '.join(_ARCHITECTURES)}"
+        )
     config = _hf_config(meta, arch, reader)
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     return config

@@ -105,8 +105,8 @@ def resolve_quantization(
         return "none", None
     if requested is None and _is_embedded_default(source):
         # Measured (docs/benchmarks.md "Quantized models"): on two Zen 3 cores its Q4_1 blocks
-        # decode one stream 1.7x faster than its fp32 dequantization, but prefill at 0.6x, and
-        # served workload A at 0.65x the output; `--quantization gguf` serves it packed.
+        # decode one stream 1.64x faster than its fp32 dequantization but prefill slower, and
+        # saturated at 0.60x the output; `--quantization gguf` serves it packed.
         return "none", None
     if source.load_format != "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf file; {source.name} is not one")
