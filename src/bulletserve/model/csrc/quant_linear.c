@@ -228,30 +228,43 @@ static void linear_unpacked(const format f, const uint8_t *w, long row_bytes, co
 
 
 #ifdef __AVX2__
-/* Rows of activations quantized per 32-value group: q (int8, `in` a row), and per group the
- * scale d (x ~ d * q) and s = d * sum(q). */
+/* Rows of activations quantized per group of `group` values (32 beside the 32-weight formats,
+ * 256 beside the K formats, as llama.cpp's Q8_0 and Q8_K): q (int8, `in` a row), and per group
+ * the scale d (x ~ d * q); per 32-value group s = d * sum(q) (`group` 32) or per 16 values the
+ * integer sums of q, sums16 (`group` 256). */
 typedef struct {
     int8_t *q;
     float *d, *s;
-    long in, groups;
+    int16_t *sums16;
+    long in, group, groups;
 } int8_rows;
 
 static void quantize_rows(const float *x, long ldx, long rows, int8_rows *out, int threads) {
+    const long group = out->group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long r = 0; r < rows; ++r) {
         for (long g = 0; g < out->groups; ++g) {
-            const float *v = x + r * ldx + g * 32;
+            const float *v = x + r * ldx + g * group;
             float amax = 0.0f;
-            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+            for (long i = 0; i < group; ++i) amax = fmaxf(amax, fabsf(v[i]));
             const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = out->q + r * out->in + g * 32;
+            int8_t *q = out->q + r * out->in + g * group;
             int sum = 0;
-            for (int i = 0; i < 32; ++i) {
+            for (long i = 0; i < group; ++i) {
                 q[i] = (int8_t)lrintf(v[i] * inverse);
                 sum += q[i];
             }
             out->d[r * out->groups + g] = d;
-            out->s[r * out->groups + g] = d * (float)sum;
+            if (group == 32) {
+                out->s[r * out->groups + g] = d * (float)sum;
+                continue;
+            }
+            int16_t *sums = out->sums16 + (r * out->in + g * group) / 16;
+            for (long j = 0; j < group / 16; ++j) {
+                int part = 0;
+                for (int i = 0; i < 16; ++i) part += q[16 * j + i];
+                sums[j] = (int16_t)part;
+            }
         }
     }
 }
@@ -294,6 +307,7 @@ static inline __m256i high_nibbles(__m256i v) {
  * dot product with an input group is a * d * dot(u, q) + b * s. */
 #define ROWS_MAX 4
 #define X_GROUP(r, g) (x->q + (r0 + (r)) * x->in + (g) * 32)
+#define X_SUMS16(r, g) (x->sums16 + ((r0 + (r)) * x->in) / 16 + (g) * 16)
 #define X_D(r, g) (x->d[(r0 + (r)) * x->groups + (g)])
 #define X_S(r, g) (x->s[(r0 + (r)) * x->groups + (g)])
 #define KERNEL static inline __attribute__((always_inline)) void
@@ -341,30 +355,68 @@ KERNEL row_q8_0(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
-/* Q4_K and Q5_K: 8 groups a block, each with a 6-bit scale and min; Q5_K adds a fifth bit. */
+/* The K formats, beside activations quantized per 256 values: a block's 8 (Q4_K, Q5_K) or 16
+ * (Q6_K) integer sub-block scales multiply its integer dot products in int32 (madd), so a block
+ * and row take one conversion to fp32 and one FMA. With u <= 63 and |q| <= 127 every sum fits:
+ * maddubs pairs <= 16002 in int16, a block's int32 lanes well within range. */
+
+/* 8 int32 lanes -> fp32, times `scale`, added to acc. */
+static inline __m256 scaled_add(__m256i sums, float scale, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
+}
+
+/* A Q4_K / Q5_K block's 12 scale bytes as 8 scales (bytes 0-7) and 8 mins (bytes 8-15), the
+ * 6-bit fields of scale_min_k4 gathered word by word. */
+static inline __m128i k4_scales_mins(const uint8_t *q) {
+    uint32_t u[3];
+    memcpy(u, q, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const uint32_t scales_low = u[0] & low6, mins_low = u[1] & low6;
+    const uint32_t scales_high = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+    const uint32_t mins_high = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+    return _mm_setr_epi32((int)scales_low, (int)scales_high, (int)mins_low, (int)mins_high);
+}
+
+/* Q4_K and Q5_K: w = d * scale_j * u - dmin * min_j over sub-block j (32 weights, 6-bit scale
+ * and min); Q5_K's u has a fifth bit. The min's part is dmin * sum_j min_j * sum(q over j). */
 static inline __attribute__((always_inline)) void row_k4(const uint8_t *w, const int8_rows *x,
                                                          long r0, const int R, float *out,
                                                          const int five_bits) {
     __m256 acc[ROWS_MAX] = {0};
-    float offset[ROWS_MAX] = {0};
     const int block_bytes = five_bits ? 176 : 144;
-    for (long g = 0; g < x->groups; g += 8, w += block_bytes) {
+    for (long b = 0; b < x->groups; ++b, w += block_bytes) {
         const float d = half_f16c(w), dmin = half_f16c(w + 2);
-        const uint8_t *q = w + (five_bits ? 48 : 16);
+        const uint8_t *packed = w + (five_bits ? 48 : 16);
         const __m256i high = five_bits ? load32(w + 16) : _mm256_setzero_si256();
+        const __m128i scales_mins = k4_scales_mins(w + 4);
+        __m256i sums[ROWS_MAX];
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
-            int scale, min;
-            scale_min_k4(j, w + 4, &scale, &min);
-            const __m256i packed = load32(q + 32 * (j / 2));
-            __m256i u = (j & 1) ? high_nibbles(packed) : low_nibbles(packed);
+            const __m256i bytes = load32(packed + 32 * (j / 2));
+            __m256i u = (j & 1) ? high_nibbles(bytes) : low_nibbles(bytes);
             if (five_bits) {
                 const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, j), _mm256_set1_epi8(1));
                 u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
             }
-            for (int r = 0; r < R; ++r) ACCUMULATE(r, g + j, u, d * scale, -dmin * min);
+            const __m256i scale =
+                _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales_mins, _mm_set1_epi8((char)j)));
+            for (int r = 0; r < R; ++r) {
+                const __m256i q = load32(x->q + (r0 + r) * x->in + b * 256 + 32 * j);
+                const __m256i pairs = _mm256_maddubs_epi16(u, q);
+                sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scale));
+            }
+        }
+        /* Each min twice: the activations' sums are per 16 values. */
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+            scales_mins, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+        for (int r = 0; r < R; ++r) {
+            const float dx = X_D(r, b);
+            acc[r] = scaled_add(sums[r], d * dx, acc[r]);
+            const __m256i min_sums = _mm256_madd_epi16(mins, load32(X_SUMS16(r, b)));
+            acc[r] = scaled_add(min_sums, -dmin * dx, acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + offset[r];
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
 KERNEL row_q4_k(const uint8_t *w, const int8_rows *x, long r0, const int R, float *out) {
@@ -375,15 +427,20 @@ KERNEL row_q5_k(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
     row_k4(w, x, r0, R, out, 1);
 }
 
-/* Q6_K: w = d * scale * (u - 32), u 6 bits, a scale per 16 weights: the 8 int32 lanes of a
- * group's dot product are its two halves, so each half gets its own scale. */
+/* Q6_K: w = d * scale * (u - 32), u 6 bits, an int8 scale per 16 weights: the 16 int16 lanes of
+ * a 32-weight maddubs are its two halves, so the scale vector holds each half's scale; the 32's
+ * part is 32 * sum over the 16 sub-blocks of scale * sum(q). */
 KERNEL row_q6_k(const uint8_t *w, const int8_rows *x, long r0, const int R, float *out) {
     __m256 acc[ROWS_MAX] = {0};
     const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
-    const __m256i bias = _mm256_set1_epi8(32);
-    for (long g = 0; g < x->groups; g += 8, w += 210) {
+    for (long b = 0; b < x->groups; ++b, w += 210) {
         const float d = half_f16c(w + 208);
         const int8_t *scales = (const int8_t *)(w + 192);
+        /* The 16 scales in the order of the sub-blocks they scale (sub-block i: weights 16i..). */
+        const __m128i scales8 = _mm_loadu_si128((const __m128i *)scales);
+        const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
+        __m256i sums[ROWS_MAX];
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int n = 0; n < 2; ++n) {
             const __m256i low0 = load32(w + 64 * n), low1 = load32(w + 64 * n + 32);
             const __m256i high = load32(w + 128 + 32 * n);
@@ -395,19 +452,21 @@ KERNEL row_q6_k(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
             for (int k = 0; k < 4; ++k) {
                 const __m256i top = _mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2);
                 u[k] = _mm256_or_si256(u[k], _mm256_slli_epi16(top, 4));
-                const float a0 = d * scales[8 * n + 2 * k], a1 = d * scales[8 * n + 2 * k + 1];
-                const __m256 halves = _mm256_setr_ps(a0, a0, a0, a0, a1, a1, a1, a1);
-                const long group = g + 4 * n + k;
+                const char a = (char)(8 * n + 2 * k), b1 = (char)(a + 1);
+                const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                    scales8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b1, b1, b1, b1, b1, b1, b1, b1)));
+                const long at = b * 256 + 128 * n + 32 * k;
                 for (int r = 0; r < R; ++r) {
-                    const __m256i q = load32(X_GROUP(r, group));
-                    const __m256i products = _mm256_sub_epi16(_mm256_maddubs_epi16(u[k], q),
-                                                               _mm256_maddubs_epi16(bias, q));
-                    const __m256 sums =
-                        _mm256_cvtepi32_ps(_mm256_madd_epi16(products, _mm256_set1_epi16(1)));
-                    acc[r] = _mm256_fmadd_ps(
-                        sums, _mm256_mul_ps(halves, _mm256_set1_ps(X_D(r, group))), acc[r]);
+                    const __m256i q = load32(x->q + (r0 + r) * x->in + at);
+                    const __m256i pairs = _mm256_maddubs_epi16(u[k], q);
+                    sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scale));
                 }
             }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256i bias = _mm256_madd_epi16(scales16, load32(X_SUMS16(r, b)));
+            sums[r] = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(bias, 5));
+            acc[r] = scaled_add(sums[r], d * X_D(r, b), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
@@ -421,23 +480,36 @@ KERNEL row_q6_k(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
     default: kernel(w_row, x, r0, 1, sums); break;                                         \
     }
 
+/* Threads take runs of output rows of at most about L2_BYTES of packed weights, and pass the
+ * input rows four at a time over a run: the four rows' activations stay in L1 and the run's
+ * weights in L2, rather than every output row streaming all input rows from L2 or L3 (what
+ * bounded a prefill's rows). A run is also at most a quarter of a thread's share of the output,
+ * so that narrow projections still spread over the threads. */
+#define L2_BYTES (256 * 1024)
+
 static void linear_int8(int type, const uint8_t *w, long row_bytes, const int8_rows *x, float *y,
                         long ldy, long rows, long out, int threads) {
+    long run = L2_BYTES / row_bytes, share = (out + 4 * threads - 1) / (4 * threads);
+    if (run > share) run = share;
+    if (run < 1) run = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long n = 0; n < out; ++n) {
-        const uint8_t *w_row = w + n * row_bytes;
+    for (long n0 = 0; n0 < out; n0 += run) {
+        const long n1 = out - n0 < run ? out : n0 + run;
         for (long r0 = 0; r0 < rows; r0 += ROWS_MAX) {
             const int R = rows - r0 < ROWS_MAX ? (int)(rows - r0) : ROWS_MAX;
-            float sums[ROWS_MAX] = {0};
-            switch (type) {
-            case Q4_0: DISPATCH(row_q4_0); break;
-            case Q4_1: DISPATCH(row_q4_1); break;
-            case Q8_0: DISPATCH(row_q8_0); break;
-            case Q4_K: DISPATCH(row_q4_k); break;
-            case Q5_K: DISPATCH(row_q5_k); break;
-            default: DISPATCH(row_q6_k); break;
+            for (long n = n0; n < n1; ++n) {
+                const uint8_t *w_row = w + n * row_bytes;
+                float sums[ROWS_MAX] = {0};
+                switch (type) {
+                case Q4_0: DISPATCH(row_q4_0); break;
+                case Q4_1: DISPATCH(row_q4_1); break;
+                case Q8_0: DISPATCH(row_q8_0); break;
+                case Q4_K: DISPATCH(row_q4_k); break;
+                case Q5_K: DISPATCH(row_q5_k); break;
+                default: DISPATCH(row_q6_k); break;
+                }
+                for (int r = 0; r < R; ++r) y[(r0 + r) * ldy + n] = sums[r];
             }
-            for (int r = 0; r < R; ++r) y[(r0 + r) * ldy + n] = sums[r];
         }
     }
 }
@@ -466,12 +538,19 @@ int quant_linear_f32(int type, const uint8_t *w, long row_bytes, const float *x,
         return 0;
     }
 #ifdef __AVX2__
-    int8_rows quantized = {malloc(rows * in), malloc(rows * in / 8), malloc(rows * in / 8), in,
-                           in / 32};
-    if (!quantized.q || !quantized.d || !quantized.s) {
+    const long group = f.weights; /* 32 or 256: llama.cpp's Q8_0 or Q8_K beside the format */
+    int8_rows quantized = {malloc(rows * in),
+                           malloc(rows * in / group * sizeof(float)),
+                           group == 32 ? malloc(rows * in / group * sizeof(float)) : NULL,
+                           group == 256 ? malloc(rows * in / 16 * sizeof(int16_t)) : NULL,
+                           in,
+                           group,
+                           in / group};
+    if (!quantized.q || !quantized.d || !(quantized.s || quantized.sums16)) {
         free(quantized.q);
         free(quantized.d);
         free(quantized.s);
+        free(quantized.sums16);
         return 2;
     }
     quantize_rows(x, ldx, rows, &quantized, threads);
@@ -479,6 +558,7 @@ int quant_linear_f32(int type, const uint8_t *w, long row_bytes, const float *x,
     free(quantized.q);
     free(quantized.d);
     free(quantized.s);
+    free(quantized.sums16);
 #endif
     return 0;
 }
