@@ -65,10 +65,10 @@ def reference_weight(data: np.ndarray, fmt: PackedFormat) -> torch.Tensor:
     return torch.from_numpy(np.asarray(array, dtype=np.float32))
 
 
-def int8_groups(x: torch.Tensor) -> torch.Tensor:
-    """x with each row's 32-value groups rounded to int8 steps of max|x| / 127 (llama.cpp's
-    Q8_0 activations, what the AVX2 path multiplies)."""
-    groups = x.view(x.shape[0], -1, 32)
+def int8_groups(x: torch.Tensor, fmt: PackedFormat) -> torch.Tensor:
+    """x with each row's groups of a block's width (32 or 256) rounded to int8 steps of
+    max|x| / 127 (llama.cpp's Q8_0 or Q8_K activations, what the AVX2 path multiplies)."""
+    groups = x.view(x.shape[0], -1, fmt.block_weights)
     step = groups.abs().amax(-1, keepdim=True) / 127
     return (torch.round(groups / torch.where(step > 0, step, 1)) * step).view_as(x)
 
@@ -99,7 +99,7 @@ def test_packed_linear_is_dequantize_then_matmul(kernel, fmt, rows):
     assert float((exact(x, weight) - expected).abs().max()) < 1e-5 * scale
     if kernel.int8_activations:
         ours = kernel(x, weight)
-        assert float((ours - int8_groups(x) @ reference.T).abs().max()) < 1e-5 * scale
+        assert float((ours - int8_groups(x, fmt) @ reference.T).abs().max()) < 1e-5 * scale
         assert float((ours - expected).abs().max()) < 3e-2 * scale
 
 

@@ -7,8 +7,8 @@ Q6_K beside q and k in Q4_K). `QuantizedLinearKernel` runs y = x W^T on them thr
 step's rows and a prefill's alike. One path for every row count keeps a row's result independent
 of the rows beside it, bit for bit (the activations are quantized per row). A prefill path that
 unpacked W once into fp32 for PyTorch's GEMM was measured and dropped: on two Zen 3 cores (AVX2)
-the packed kernel ran a 1B-shaped layer 1.3-3x faster at 64 rows and at 256 as fast or faster
-for Q4_1, Q6_K and Q8_0 (Q4_K 0.6x), and the second path made greedy outputs depend on the batch.
+it was no faster than the packed kernel on a 1B-shaped layer at 64 and 256 rows, and it made
+greedy outputs depend on the batch.
 """
 
 from __future__ import annotations
@@ -127,8 +127,9 @@ class QuantizedLinearKernel:
 
     linear: ctypes._CFuncPtr
     unpack: ctypes._CFuncPtr
-    # Whether activations are quantized to int8 per 32 values, as llama.cpp does (where
-    # compiled: AVX2); else the products are the dequantized weights' in fp32.
+    # Whether activations are quantized to int8 (per 32 or, beside K formats, per 256
+    # values), as llama.cpp does (where compiled: AVX2); else the products are the
+    # dequantized weights' in fp32.
     int8_activations: bool
 
     @property

@@ -3,11 +3,12 @@
  *
  * A decode step is bound by the bytes it reads, so the weights are read packed and unpacked in
  * registers, for any number of rows. Where the CPU has AVX2, as llama.cpp does, the activations
- * are quantized too: each
- * row's 32-value groups to int8 with an fp32 scale (and the group's sum), so that a group's dot
- * product with 32 weights is two integer instructions (maddubs, madd) and one scaled FMA instead
- * of unpacking 32 weights to fp32 for 4 FMAs per row. Threads take runs of output rows; each
- * output row's groups are unpacked once per four input rows. Elsewhere the portable path
+ * are quantized too, each row to int8 with an fp32 scale per 32 values beside the 32-weight
+ * formats (llama.cpp's Q8_0) and per 256 beside the K formats (its Q8_K), so that 32 weights'
+ * dot product is two integer instructions (maddubs, madd) instead of unpacking them to fp32 for
+ * 4 FMAs per row; a 32-weight group then takes one scaled FMA, a K block (8 or 16 integer
+ * sub-block scales applied in int32) one. Each output row's groups are unpacked once per four
+ * input rows. Elsewhere the portable path
  * unpacks a chunk of a row into fp32 (in L1) and takes its dot product with every input row,
  * the dequantized matrix's product up to summation order.
  *
