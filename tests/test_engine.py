@@ -428,7 +428,7 @@ def test_flags_a_vllm_user_types(capsys, tmp_path):
     error = capsys.readouterr().err
     assert "--quantization awq: not supported yet; supported: gguf" in error
     assert main(["serve", "--quantization", "q4"]) == 2
-    assert "--quantization must be one of gguf, none" in capsys.readouterr().err
+    assert "--quantization must be one of gguf, compressed-tensors, none" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--uvicorn-log-level", "warning"])
     assert args.log_level == "warning"
     template = tmp_path / "t.jinja"

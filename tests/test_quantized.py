@@ -4,12 +4,16 @@ Python reference), and a packed model against the same file dequantized at load.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from bulletserve.engine.model_runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
@@ -153,7 +157,7 @@ def _use_kernel(model: DecoderLM, kernel: QuantizedLinearKernel) -> None:
             module.quantized_kernel = kernel
 
 
-def _runner(path, quantization: str) -> ModelRunner:
+def _runner(path, quantization: str | None) -> ModelRunner:
     model = load_model(
         resolve_model(str(path)), torch.float32, torch.device("cpu"), 512, quantization=quantization
     )
@@ -238,3 +242,95 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, int8_activa
         for rows in range(1, 10):
             assert torch.equal(chosen(x[:rows], weight), together[:rows])
         assert torch.equal(chosen(x[7:8], weight), together[7:8])
+
+
+# A random 2-layer Llama (vocabulary 512) made W8A8 by llmcompressor 0.14.0.1
+# (scripts/make_compressed_tensors.py --tiny-random).
+W8A8_TINY = Path(__file__).parent / "fixtures" / "w8a8-tiny-llama"
+
+
+@torch.inference_mode()
+def test_a_compressed_tensors_w8a8_checkpoint_runs_packed(kernel, caplog):
+    """llmcompressor's W8A8 (int8 weights, a scale per output channel): detected from the
+    config, its int8 values and scales kept exactly as Q8_0 blocks, and its logits those of the
+    checkpoint dequantized at load (int8 activations: close, greedy choices nearly all alike)."""
+    with caplog.at_level(logging.INFO, logger="bulletserve.model.loader"):
+        packed = _runner(W8A8_TINY, None)
+    assert "weights (--quantization compressed-tensors): layers 0-1: qkv_proj Q8_0" in caplog.text
+    assert "embedding bfloat16" in caplog.text or "embedding float" in caplog.text
+    tensors = load_file(str(W8A8_TINY / "model.safetensors"))
+    down = packed.model.layers[1].mlp.down_proj.quantized
+    expected = tensors["model.layers.1.mlp.down_proj.weight"].float()
+    expected *= tensors["model.layers.1.mlp.down_proj.weight_scale"].float()
+    assert torch.equal(kernel.dequantize_weight(down), expected)
+    dequantized = _runner(W8A8_TINY, "none")
+    tokens = torch.randint(3, 512, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    reference = _all_logits(dequantized, tokens)
+    _use_kernel(packed.model, dataclasses.replace(kernel, int8_activations=False))
+    exact = _all_logits(packed, tokens)
+    assert float((exact - reference).abs().max()) < 1e-4 * float(reference.abs().max())
+    if kernel.int8_activations:
+        _use_kernel(packed.model, kernel)
+        ours = _all_logits(packed, tokens)
+        error = float((ours - reference).abs().max())
+        assert error < 5e-2 * float(reference.abs().max())
+        # A greedy choice differs only where the reference's runner-up was within the error.
+        chosen = reference.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1)
+        assert bool((chosen >= reference.max(-1).values - 2 * error).all())
+        assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
+
+
+def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path, tiny_llama_dir):
+    from bulletserve.model.loader import resolve_quantization
+
+    cpu = torch.device("cpu")
+    source = resolve_model(str(W8A8_TINY))
+    assert resolve_quantization(None, source, cpu)[0] == "compressed-tensors"
+    assert resolve_quantization("none", source, cpu) == ("none", None)
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        resolve_quantization("gguf", source, cpu)
+    with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):
+        resolve_quantization("compressed-tensors", resolve_model(str(tiny_llama_dir)), cpu)
+    with pytest.raises(ValueError, match="not sharded over tensor-parallel ranks"):
+        resolve_quantization("compressed-tensors", source, cpu, ranks=2)
+    for change, named in [
+        ({"num_bits": 4}, "4-bit int weights"),
+        ({"strategy": "group", "group_size": 32}, "weights quantized per group"),
+        ({"symmetric": False}, "asymmetric weights"),
+    ]:
+        folder = tmp_path / named.replace(" ", "-")
+        shutil.copytree(W8A8_TINY, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=named):
+            resolve_quantization(None, resolve_model(str(folder)), cpu)
+
+
+@pytest.mark.parametrize("policy", ["chunked", "bullet"])
+@pytest.mark.parametrize("checkpoint", ["gguf", "compressed-tensors"])
+def test_the_server_answers_on_each_packed_format(policy, checkpoint, mixed_gguf, tmp_path, kernel):
+    """`bullet serve` on a packed GGUF file and on a W8A8 checkpoint (with the default model's
+    tokenizer), under both policies: completions of the requested length."""
+    import httpx
+
+    from bulletserve.engine.async_engine import AsyncEngine
+    from bulletserve.engine.config import EngineConfig
+    from bulletserve.model.tokenizer import load_tokenizer
+    from tests.server.harness import running_app
+
+    model = mixed_gguf if checkpoint == "gguf" else W8A8_TINY
+    load_tokenizer(None).save_pretrained(tmp_path)
+    config = EngineConfig(
+        model=str(model), tokenizer=str(tmp_path), policy=policy, max_model_len=256
+    )
+    engine = AsyncEngine(config)
+    try:
+        with running_app(engine) as url:
+            body = {"model": "tiny", "prompt": [5, 17, 301, 44, 9], "max_tokens": 6}
+            body |= {"temperature": 0, "ignore_eos": True}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60, trust_env=False)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 6
+    finally:
+        engine.shutdown()

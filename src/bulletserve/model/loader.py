@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bulletserve.dist.parallel import TensorParallel
+from bulletserve.model import compressed
 from bulletserve.model.config import ModelConfig
 from bulletserve.model.cpu_kernels import fused_ops, packed_linear_kernel
 from bulletserve.model.decoder import DecoderLM
@@ -90,37 +91,45 @@ def resolve_quantization(
     requested: str | None, source: ModelSource, device: torch.device, ranks: int = 1
 ) -> tuple[str, QuantizedLinearKernel | None]:
     """`--quantization` for this checkpoint and device, as vLLM's: detected from the checkpoint
-    when omitted (a GGUF file: gguf), with the kernel that runs it (None for none). An automatic
-    gguf where the packed kernel cannot run (a GPU, no C compiler, weights sharded over `ranks`)
-    falls back to none with a warning; an explicit one is an error."""
+    when omitted (a GGUF file: gguf; a folder whose config says compressed-tensors: that), with
+    the kernel that runs it (None for none). An automatic choice where the packed kernel cannot
+    run (a GPU, no C compiler, weights sharded over `ranks`) falls back to none with a warning;
+    an explicit one is an error."""
     check_quantization(requested)
-    if requested is None and source.load_format == "safetensors":
-        config = json.loads((source.path / "config.json").read_text())
-        method = (config.get("quantization_config") or {}).get("quant_method")
-        if method is not None:
-            raise ValueError(
-                f"{source.path} is a {method} checkpoint, which bulletserve cannot serve yet"
-            )
-    if requested == "none" or (requested is None and source.load_format != "gguf"):
+    method = (
+        compressed.quantization_method(source.path) if source.load_format == "safetensors" else None
+    )
+    if method is not None and method != compressed.METHOD:
+        raise ValueError(f"{source.path} is a {method} checkpoint, which bulletserve cannot serve")
+    if method is not None:
+        compressed.check_scheme(source.path)
+    if requested == "none":
         return "none", None
     if requested is None and _is_embedded_default(source):
         # Measured (docs/benchmarks.md "Quantized models"): on two Zen 3 cores its Q4_1 blocks
         # decode one stream 1.64x faster than its fp32 dequantization but prefill slower, and
         # saturated at 0.60x the output; `--quantization gguf` serves it packed.
         return "none", None
-    if source.load_format != "gguf":
-        raise ValueError(f"--quantization gguf needs a .gguf file; {source.name} is not one")
+    found = "gguf" if source.load_format == "gguf" else method
+    if requested is None and found is None:
+        return "none", None
+    if requested is not None and requested != found:
+        what = "a .gguf file" if requested == "gguf" else "a compressed-tensors checkpoint"
+        raise ValueError(f"--quantization {requested} needs {what}; {source.name} is not one")
+    chosen = requested or found
     kernel = quantized_linear_kernel(device) if ranks == 1 else None
     if kernel is not None:
-        return "gguf", kernel
+        return chosen, kernel
     if ranks > 1:
-        why = "packed GGUF blocks are not sharded over tensor-parallel ranks yet"
+        why = f"packed {chosen} weights are not sharded over tensor-parallel ranks yet"
     elif device.type != "cpu":
-        why = f"packed GGUF blocks run on the CPU only (device {device.type})"
+        why = f"packed {chosen} weights run on the CPU only (device {device.type})"
     else:
-        why = "the packed GGUF kernel is off (BULLET_CPU_KERNELS=0) or did not compile"
-    if requested == "gguf":
-        raise ValueError(f"--quantization gguf: {why}; --quantization none dequantizes at load")
+        why = "the packed weights' kernel is off (BULLET_CPU_KERNELS=0) or did not compile"
+    if requested is not None:
+        raise ValueError(
+            f"--quantization {requested}: {why}; --quantization none dequantizes at load"
+        )
     log.warning("%s: serving %s dequantized to the model's dtype", why, source.name)
     return "none", None
 
@@ -147,12 +156,23 @@ def load_model(
         model = DecoderLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.reset_rotary(device, max_positions)
+    is_compressed = source.load_format == "safetensors" and (
+        compressed.quantization_method(source.path) == compressed.METHOD
+    )
     if source.load_format == "dummy":
         _fill_random(model, seed)
     elif quantized_kernel is not None:
-        packed, floats = _packed_gguf(source.path)
+        if is_compressed:
+            packed, floats = compressed.read_compressed(source.path, packed=True)
+        else:
+            packed, floats = _packed_gguf(source.path)
         unpacked = model.use_quantized_weights(packed, quantized_kernel)
         model.load_hf_weights(list(floats.items()) + unpacked)
+    elif is_compressed:
+        if tp is not None and tp.size > 1:
+            raise ValueError("a compressed-tensors checkpoint is not sharded over ranks yet")
+        _, dequantized = compressed.read_compressed(source.path, packed=False)
+        model.load_hf_weights(list(dequantized.items()))
     else:
         folder = (
             source.path if source.load_format == "safetensors" else _converted_gguf(source.path)

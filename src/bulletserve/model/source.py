@@ -21,9 +21,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 # `--quantization`, vLLM's name for each format. gguf: a GGUF file's blocks kept packed (on the
 # CPU); none: every weight dequantized at load and run in --dtype.
-QUANTIZATIONS = ("gguf", "none")
+QUANTIZATIONS = ("gguf", "compressed-tensors", "none")
 # vLLM's other names: refused by name until they are built.
-NOT_YET_QUANTIZATIONS = ("compressed-tensors", "awq", "gptq", "fp8", "int8")
+NOT_YET_QUANTIZATIONS = ("awq", "gptq", "fp8", "int8")
 
 
 def check_quantization(requested: str | None) -> None:
@@ -33,7 +33,8 @@ def check_quantization(requested: str | None) -> None:
     if requested in NOT_YET_QUANTIZATIONS:
         raise ValueError(
             f"--quantization {requested}: not supported yet; supported: gguf (a GGUF file's "
-            "blocks served packed on the CPU), none (dequantized to --dtype)"
+            "blocks served packed on the CPU), compressed-tensors (int8 weights with a scale per "
+            "output channel, served packed on the CPU), none (dequantized to --dtype)"
         )
     raise ValueError(
         f"--quantization must be one of {', '.join(QUANTIZATIONS + NOT_YET_QUANTIZATIONS)}, "
