@@ -9,9 +9,11 @@ llmcompressor pins its own transformers, so it runs in a virtual environment of 
     # the test fixture tests/fixtures/w8a8-tiny-llama (a random 2-layer Llama, vocabulary 512):
     /tmp/lc-venv/bin/python scripts/make_compressed_tensors.py --tiny-random \
         tests/fixtures/w8a8-tiny-llama
+    /tmp/lc-venv/bin/python scripts/make_compressed_tensors.py --tiny-random --scheme W8A16 \
+        --group-size 32 tests/fixtures/w8a16-g32-tiny-llama    # and W4A16 likewise
 
-Weights are quantized without calibration data (the W8A8 and W8A16 schemes take their weight
-scales from the weights and their activation scales at run time); the LM head stays as it is.
+Weights are rounded to the nearest step without calibration data (the weight scales come from
+the weights, W8A8's activation scales at run time); the LM head stays as it is.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--scheme", default="W8A8", help="llmcompressor's preset (W8A8, W8A16)")
     parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="the preset's weight groups resized (W8A16's 128 does not divide SmolLM2's 576)",
+    )
+    parser.add_argument(
         "--tiny-random",
         action="store_true",
         help="quantize a random 2-layer Llama (vocabulary 512) instead of SOURCE",
@@ -65,6 +73,8 @@ def main() -> None:
     if (args.source is None) != args.tiny_random:
         parser.error("give SOURCE or --tiny-random")
 
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,7 +85,13 @@ def main() -> None:
             source = Path(scratch)
             tiny_random_llama(source, args.tokenizer_from)
         model = AutoModelForCausalLM.from_pretrained(source, torch_dtype="auto")
-        recipe = QuantizationModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"])
+        if args.group_size is None:
+            recipe = QuantizationModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"])
+        else:
+            preset = {k: v.model_copy() if v else v for k, v in PRESET_SCHEMES[args.scheme].items()}
+            preset["weights"].group_size = args.group_size
+            scheme = QuantizationScheme(targets=["Linear"], **preset)
+            recipe = QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
         oneshot(model=model, recipe=recipe)
         model.save_pretrained(args.out, save_compressed=True)
         if not args.tiny_random:

@@ -244,26 +244,43 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, int8_activa
         assert torch.equal(chosen(x[7:8], weight), together[7:8])
 
 
-# A random 2-layer Llama (vocabulary 512) made W8A8 by llmcompressor 0.14.0.1
+# A random 2-layer Llama (vocabulary 512) made W8A8 (int8, a scale per output channel), W8A16
+# and W4A16 (int8 and int4 in int32 words, a scale per 32 inputs) by llmcompressor 0.14.0.1
 # (scripts/make_compressed_tensors.py --tiny-random).
-W8A8_TINY = Path(__file__).parent / "fixtures" / "w8a8-tiny-llama"
+FIXTURES = Path(__file__).parent / "fixtures"
+W8A8_TINY = FIXTURES / "w8a8-tiny-llama"
+COMPRESSED = [(W8A8_TINY, "Q8_0"), (FIXTURES / "w8a16-g32-tiny-llama", "Q8_0")]
+COMPRESSED += [(FIXTURES / "w4a16-g32-tiny-llama", "Q4_0")]
+
+
+def _compressed_weight(folder: Path, stem: str) -> torch.Tensor:
+    """A matrix of the checkpoint as compressed-tensors unpacks it, times its scales."""
+    from compressed_tensors.compressors import unpack_from_int32
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    values = tensors.get(f"{stem}.weight")
+    if values is None:
+        bits = json.loads((folder / "config.json").read_text())["quantization_config"]
+        bits = bits["config_groups"]["group_0"]["weights"]["num_bits"]
+        shape = torch.Size(tensors[f"{stem}.weight_shape"].tolist())
+        values = unpack_from_int32(tensors[f"{stem}.weight_packed"], bits, shape)
+    scale = tensors[f"{stem}.weight_scale"].float()
+    return values.float() * scale.repeat_interleave(values.shape[1] // scale.shape[1], dim=1)
 
 
 @torch.inference_mode()
-def test_a_compressed_tensors_w8a8_checkpoint_runs_packed(kernel, caplog):
-    """llmcompressor's W8A8 (int8 weights, a scale per output channel): detected from the
-    config, its int8 values and scales kept exactly as Q8_0 blocks, and its logits those of the
-    checkpoint dequantized at load (int8 activations: close, greedy choices nearly all alike)."""
+@pytest.mark.parametrize("folder, fmt", COMPRESSED, ids=lambda v: getattr(v, "name", v))
+def test_a_compressed_tensors_checkpoint_runs_packed(kernel, caplog, folder, fmt):
+    """llmcompressor's checkpoints: detected from the config, their integer values and scales
+    kept exactly (as Q8_0 or Q4_0 blocks), and their logits those of the checkpoint
+    dequantized at load (int8 activations: close, greedy choices nearly all alike)."""
     with caplog.at_level(logging.INFO, logger="bulletserve.model.loader"):
-        packed = _runner(W8A8_TINY, None)
-    assert "weights (--quantization compressed-tensors): layers 0-1: qkv_proj Q8_0" in caplog.text
-    assert "embedding bfloat16" in caplog.text or "embedding float" in caplog.text
-    tensors = load_file(str(W8A8_TINY / "model.safetensors"))
+        packed = _runner(folder, None)
+    assert f"weights (--quantization compressed-tensors): layers 0-1: qkv_proj {fmt}" in caplog.text
     down = packed.model.layers[1].mlp.down_proj.quantized
-    expected = tensors["model.layers.1.mlp.down_proj.weight"].float()
-    expected *= tensors["model.layers.1.mlp.down_proj.weight_scale"].float()
+    expected = _compressed_weight(folder, "model.layers.1.mlp.down_proj")
     assert torch.equal(kernel.dequantize_weight(down), expected)
-    dequantized = _runner(W8A8_TINY, "none")
+    dequantized = _runner(folder, "none")
     tokens = torch.randint(3, 512, (37,), generator=torch.Generator().manual_seed(0)).tolist()
     reference = _all_logits(dequantized, tokens)
     _use_kernel(packed.model, dataclasses.replace(kernel, int8_activations=False))
@@ -273,7 +290,7 @@ def test_a_compressed_tensors_w8a8_checkpoint_runs_packed(kernel, caplog):
         _use_kernel(packed.model, kernel)
         ours = _all_logits(packed, tokens)
         error = float((ours - reference).abs().max())
-        assert error < 5e-2 * float(reference.abs().max())
+        assert error < 8e-2 * float(reference.abs().max())
         # A greedy choice differs only where the reference's runner-up was within the error.
         chosen = reference.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1)
         assert bool((chosen >= reference.max(-1).values - 2 * error).all())
@@ -294,8 +311,9 @@ def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path, tin
     with pytest.raises(ValueError, match="not sharded over tensor-parallel ranks"):
         resolve_quantization("compressed-tensors", source, cpu, ranks=2)
     for change, named in [
-        ({"num_bits": 4}, "4-bit int weights"),
-        ({"strategy": "group", "group_size": 32}, "weights quantized per group"),
+        ({"type": "float"}, "8-bit float weights"),
+        ({"strategy": "group", "group_size": 48}, "weight groups of 48, not a multiple of 32"),
+        ({"strategy": "tensor"}, "weights quantized per tensor"),
         ({"symmetric": False}, "asymmetric weights"),
     ]:
         folder = tmp_path / named.replace(" ", "-")

@@ -214,10 +214,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how the weights are stored and run; default: detected from the checkpoint. gguf: "
         "a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks kept packed and read by our "
-        "CPU kernel (other types dequantized at load); compressed-tensors: a checkpoint's int8 "
-        "weights with a scale per output channel (llmcompressor's W8A8, W8A16) kept packed for "
-        "the same kernel; none: every weight dequantized to --dtype. awq, gptq, fp8 and int8 "
-        "are refused until built",
+        "CPU kernel (other types dequantized at load); compressed-tensors: a checkpoint's int8 or "
+        "int4 weights with a scale per channel or group (llmcompressor's W8A8, W8A16, W4A16) "
+        "kept packed for the same kernel; none: every weight dequantized to --dtype. awq, gptq, "
+        "fp8 and int8 are refused until built",
     )
     group.add_argument(
         "--revision",

@@ -1,14 +1,18 @@
 """Checkpoints in compressed-tensors' format (what llmcompressor writes and vLLM serves), read
-with the `compressed-tensors` package's own description of the scheme.
+with the `compressed-tensors` package (its description of the scheme, its unpacking of int4/int8
+values from int32 words).
 
-Served packed: int8 weights with one scale per output channel (llmcompressor's W8A8 and W8A16
-schemes). Each row's int8 values are kept as they are and become GGUF Q8_0 blocks, the row's
-scale repeated in each 32-weight block as fp16 (exact for a bf16 or fp16 scale in fp16's normal
-range, which a load checks), so the packed kernel runs them as it runs a GGUF file's Q8_0: one
-byte and a sixteenth a weight. Its activations are quantized per 32 values, finer than W8A8's
-per-token scale (what vLLM's int8 GEMM uses), so our products lie nearer the unquantized
-activations'. Any other scheme in the file (4-bit, grouped, asymmetric, float8, static
-activation scales) is refused by name.
+Served packed: symmetric int8 or int4 weights with a scale per output channel or per group of a
+multiple of 32 inputs (llmcompressor's W8A8, W8A16 and W4A16 schemes). The integer values are
+kept as they are and become GGUF blocks of the same values, each 32-weight block carrying its
+channel's or group's scale as fp16 (exact for a bf16 or fp16 scale in fp16's normal range,
+which a load checks): int8 as Q8_0 (one byte and a sixteenth a weight), int4 as Q4_0 (its
+values plus 8, as Q4_0 stores them; 4.5 bits a weight), so the packed kernel runs them as it
+runs a GGUF file's. Its activations are quantized per 32 values: finer than W8A8's per-token
+scale (what vLLM's int8 GEMM uses), so our products lie nearer the unquantized activations';
+where the scheme leaves activations in 16 bits (W8A16, W4A16), the AVX2 kernel still rounds
+them to int8 per 32 values, as llama.cpp does for its own formats. Any other scheme in the file
+(groups not a multiple of 32, asymmetric, float8, static activation scales) is refused by name.
 """
 
 from __future__ import annotations
@@ -32,23 +36,28 @@ def quantization_method(folder: Path) -> str | None:
     return (config.get("quantization_config") or {}).get("quant_method")
 
 
-def check_scheme(folder: Path) -> None:
-    """ValueError naming what the checkpoint's scheme asks that we do not serve."""
+def check_scheme(folder: Path) -> int:
+    """The bits of the checkpoint's weights (8 or 4); ValueError naming what its scheme asks
+    that we do not serve."""
     from compressed_tensors.quantization import QuantizationConfig
 
     raw = json.loads((folder / "config.json").read_text())["quantization_config"]
     config = QuantizationConfig.model_validate(raw)
     if config.kv_cache_scheme is not None:
         raise ValueError(f"{folder}: a quantized KV cache (kv_cache_scheme) is not supported yet")
+    bits = set()
     for name, group in config.config_groups.items():
         weights, inputs = group.weights, group.input_activations
         problems = []
         if weights is None:
             problems.append("no weight scheme")
         else:
-            if (weights.type, weights.num_bits) != ("int", 8):
+            bits.add(weights.num_bits)
+            if weights.type != "int" or weights.num_bits not in (4, 8):
                 problems.append(f"{weights.num_bits}-bit {weights.type} weights")
-            if weights.strategy != "channel":
+            if weights.strategy == "group" and (weights.group_size or 0) % _BLOCK:
+                problems.append(f"weight groups of {weights.group_size}, not a multiple of 32")
+            elif weights.strategy not in ("channel", "group"):
                 problems.append(f"weights quantized per {weights.strategy}")
             if not weights.symmetric:
                 problems.append("asymmetric weights")
@@ -61,26 +70,39 @@ def check_scheme(folder: Path) -> None:
         if problems:
             raise ValueError(
                 f"{folder}: compressed-tensors group {name} has {', '.join(problems)}; "
-                "bulletserve serves int8 weights with a scale per output channel (W8A8, W8A16) "
-                "only yet"
+                "bulletserve serves symmetric int8 and int4 weights with a scale per output "
+                "channel or per group of a multiple of 32 (W8A8, W8A16, W4A16) only yet"
             )
+    if len(bits) != 1:
+        raise ValueError(f"{folder}: weights of {sorted(bits)} bits in one checkpoint")
+    return bits.pop()
 
 
-def _int8_rows_as_q8_0(weight: torch.Tensor, scale: torch.Tensor, name: str) -> PackedPart:
-    """int8 [out, in] and its per-row scale as Q8_0 blocks of the same values."""
-    out, width = weight.shape
-    if width % _BLOCK:
-        raise ValueError(f"{name}: {width} columns, not a whole number of {_BLOCK}-weight blocks")
-    scale = scale.reshape(out).float()
+def _as_blocks(values: torch.Tensor, scale: torch.Tensor, name: str, bits: int) -> PackedPart:
+    """Signed `bits`-bit values (int8 [out, in]) and their scales ([out, 1] per channel,
+    [out, groups] per group) as Q8_0 or, for 4 bits, Q4_0 blocks of the same values."""
+    out, width = values.shape
+    blocks = width // _BLOCK
+    scale = scale.reshape(out, -1).float()
+    if width % _BLOCK or blocks % scale.shape[1]:
+        raise ValueError(
+            f"{name}: {width} columns in {scale.shape[1]} groups do not split into "
+            f"{_BLOCK}-weight blocks"
+        )
     half = scale.to(torch.float16)
     tiny = scale.abs() < torch.finfo(torch.float16).tiny
     if bool((tiny & (scale != 0)).any()) or not bool(torch.isfinite(half).all()):
-        raise ValueError(f"{name}: a channel's scale is outside fp16's normal range")
-    blocks = width // _BLOCK
-    scales = half.view(torch.uint8).view(out, 1, 2).expand(out, blocks, 2)
-    values = weight.view(torch.uint8).view(out, blocks, _BLOCK)
-    data = torch.cat([scales, values], dim=2).reshape(out, -1).contiguous()
-    return PackedPart(PackedFormat.Q8_0, data, width)
+        raise ValueError(f"{name}: a scale is outside fp16's normal range")
+    per_block = half.repeat_interleave(blocks // scale.shape[1], dim=1)
+    scales = per_block.contiguous().view(torch.uint8).view(out, blocks, 2)
+    if bits == 4:
+        # Q4_0: byte j of a block holds value j plus 8 in its low nibble, value j + 16 in its high.
+        unsigned = (values.view(out, blocks, 2, 16).to(torch.int16) + 8).to(torch.uint8)
+        nibbles = unsigned[:, :, 0] | (unsigned[:, :, 1] << 4)
+        data = torch.cat([scales, nibbles], dim=2).reshape(out, -1).contiguous()
+        return PackedPart(PackedFormat.Q4_0, data, width)
+    data = torch.cat([scales, values.view(torch.uint8).view(out, blocks, _BLOCK)], dim=2)
+    return PackedPart(PackedFormat.Q8_0, data.reshape(out, -1).contiguous(), width)
 
 
 def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -93,22 +115,40 @@ def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def read_compressed(
     folder: Path, packed: bool
 ) -> tuple[dict[str, PackedPart], dict[str, torch.Tensor]]:
-    """(the int8 matrices as Q8_0 parts, the float tensors) by Hugging Face name; with `packed`
-    False every matrix dequantized to fp32 instead (`--quantization none`)."""
-    check_scheme(folder)
+    """(the integer matrices as Q8_0 or Q4_0 parts, the float tensors) by Hugging Face name;
+    with `packed` False every matrix dequantized to fp32 instead (`--quantization none`)."""
+    from compressed_tensors.compressors import unpack_from_int32
+
+    bits = check_scheme(folder)
     tensors = dict(_tensors(folder))
     parts: dict[str, PackedPart] = {}
     floats: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if name.endswith((".weight_scale", ".weight_zero_point", ".input_scale")):
+        if name.endswith(_BESIDE):
             continue
-        scale = tensors.get(name.removesuffix(".weight") + ".weight_scale")
+        stem = name.removesuffix(".weight_packed").removesuffix(".weight")
+        scale = tensors.get(stem + ".weight_scale")
         if scale is None:
             floats[name] = tensor
-        elif tensor.dtype != torch.int8:
-            raise ValueError(f"{name}: expected int8 values beside its scale, got {tensor.dtype}")
-        elif packed:
-            parts[name] = _int8_rows_as_q8_0(tensor, scale, name)
+            continue
+        if name.endswith(".weight_packed"):  # pack-quantized: values in int32 words
+            shape = torch.Size(tensors[stem + ".weight_shape"].tolist())
+            values = unpack_from_int32(tensor, bits, shape)
+        elif tensor.dtype == torch.int8 and bits == 8:
+            values = tensor
         else:
-            floats[name] = tensor.float() * scale.float().reshape(-1, 1)
+            raise ValueError(
+                f"{name}: {tensor.dtype} values beside a scale, for {bits}-bit weights"
+            )
+        weight_name = stem + ".weight"
+        if packed:
+            parts[weight_name] = _as_blocks(values, scale, name, bits)
+        else:
+            groups = scale.float().reshape(values.shape[0], -1)
+            per_weight = groups.repeat_interleave(values.shape[1] // groups.shape[1], dim=1)
+            floats[weight_name] = values.float() * per_weight
     return parts, floats
+
+
+# Tensors read beside a matrix's values, not weights of their own.
+_BESIDE = (".weight_scale", ".weight_zero_point", ".weight_shape", ".input_scale")

@@ -33,8 +33,8 @@ def check_quantization(requested: str | None) -> None:
     if requested in NOT_YET_QUANTIZATIONS:
         raise ValueError(
             f"--quantization {requested}: not supported yet; supported: gguf (a GGUF file's "
-            "blocks served packed on the CPU), compressed-tensors (int8 weights with a scale per "
-            "output channel, served packed on the CPU), none (dequantized to --dtype)"
+            "blocks served packed on the CPU), compressed-tensors (int8 or int4 weights with a "
+            "scale per channel or group, served packed on the CPU), none (dequantized to --dtype)"
         )
     raise ValueError(
         f"--quantization must be one of {', '.join(QUANTIZATIONS + NOT_YET_QUANTIZATIONS)}, "
