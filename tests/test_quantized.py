@@ -175,8 +175,7 @@ def mixed_gguf(tiny_llama_dir, tmp_path_factory):
 def test_a_packed_gguf_model_computes_what_the_dequantized_one_does(kernel, mixed_gguf, caplog):
     """A file the gguf package quantized (three formats in one fused q/k/v, a Q8_0 embedding and
     a Q4_1 LM head): packed, its logits are those of the same file dequantized at load (the
-    path checked against transformers); with int8 activations, close, and greedy choices
-    nearly all the same."""
+    path checked against transformers); with int8 activations, close."""
     with caplog.at_level(logging.INFO, logger="bulletserve.model.loader"):
         packed = _runner(mixed_gguf, "gguf")
     assert "qkv_proj Q4_0+Q4_1+Q8_0, o_proj Q4_1, gate_up_proj Q4_0, down_proj Q8_0" in caplog.text
@@ -192,17 +191,28 @@ def test_a_packed_gguf_model_computes_what_the_dequantized_one_does(kernel, mixe
     assert packed.model.weight_bits == pytest.approx(
         bits / sum(p.rows * p.in_features for p in parts)
     )
-    tokens = torch.randint(0, 49152, (37,), generator=torch.Generator().manual_seed(0)).tolist()
-    expected = _all_logits(dequantized, tokens)
+    _assert_packed_logits_are_dequantized_ones(packed, dequantized, kernel, 49152)
+
+
+def _assert_packed_logits_are_dequantized_ones(
+    packed: ModelRunner, dequantized: ModelRunner, kernel: QuantizedLinearKernel, vocab: int
+) -> None:
+    """With fp32 activations the packed model's logits are the dequantized one's; with int8
+    ones (where compiled) close, and a greedy choice differs only where the dequantized
+    model's runner-up was within that error."""
+    tokens = torch.randint(3, vocab, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    reference = _all_logits(dequantized, tokens)
     _use_kernel(packed.model, dataclasses.replace(kernel, int8_activations=False))
     exact = _all_logits(packed, tokens)
-    assert float((exact - expected).abs().max()) < 1e-4 * float(expected.abs().max())
+    assert float((exact - reference).abs().max()) < 1e-4 * float(reference.abs().max())
     if kernel.int8_activations:
         _use_kernel(packed.model, kernel)
         ours = _all_logits(packed, tokens)
-        assert float((ours - expected).abs().max()) < 5e-2 * float(expected.abs().max())
-        agree = (ours.argmax(-1) == expected.argmax(-1)).float().mean()
-        assert agree >= 0.9
+        error = float((ours - reference).abs().max())
+        assert error < 8e-2 * float(reference.abs().max())
+        chosen = reference.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1)
+        assert bool((chosen >= reference.max(-1).values - 2 * error).all())
+        assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
 
 
 def test_quantization_flag(mixed_gguf, tiny_llama_dir):
@@ -280,21 +290,7 @@ def test_a_compressed_tensors_checkpoint_runs_packed(kernel, caplog, folder, fmt
     down = packed.model.layers[1].mlp.down_proj.quantized
     expected = _compressed_weight(folder, "model.layers.1.mlp.down_proj")
     assert torch.equal(kernel.dequantize_weight(down), expected)
-    dequantized = _runner(folder, "none")
-    tokens = torch.randint(3, 512, (37,), generator=torch.Generator().manual_seed(0)).tolist()
-    reference = _all_logits(dequantized, tokens)
-    _use_kernel(packed.model, dataclasses.replace(kernel, int8_activations=False))
-    exact = _all_logits(packed, tokens)
-    assert float((exact - reference).abs().max()) < 1e-4 * float(reference.abs().max())
-    if kernel.int8_activations:
-        _use_kernel(packed.model, kernel)
-        ours = _all_logits(packed, tokens)
-        error = float((ours - reference).abs().max())
-        assert error < 8e-2 * float(reference.abs().max())
-        # A greedy choice differs only where the reference's runner-up was within the error.
-        chosen = reference.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1)
-        assert bool((chosen >= reference.max(-1).values - 2 * error).all())
-        assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
+    _assert_packed_logits_are_dequantized_ones(packed, _runner(folder, "none"), kernel, 512)
 
 
 def test_compressed_tensors_schemes_not_served_are_refused_by_name(tmp_path, tiny_llama_dir):
