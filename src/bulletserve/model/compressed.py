@@ -92,7 +92,10 @@ def _as_blocks(values: torch.Tensor, scale: torch.Tensor, name: str, bits: int) 
     half = scale.to(torch.float16)
     tiny = scale.abs() < torch.finfo(torch.float16).tiny
     if bool((tiny & (scale != 0)).any()) or not bool(torch.isfinite(half).all()):
-        raise ValueError(f"{name}: a scale is outside fp16's normal range")
+        raise ValueError(
+            f"{name}: a scale is outside fp16's normal range, which the packed blocks hold; "
+            "--quantization none serves the checkpoint dequantized"
+        )
     per_block = half.repeat_interleave(blocks // scale.shape[1], dim=1)
     scales = per_block.contiguous().view(torch.uint8).view(out, blocks, 2)
     if bits == 4:
