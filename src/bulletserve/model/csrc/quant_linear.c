@@ -402,7 +402,7 @@ static inline __attribute__((always_inline)) void row_k4(const uint8_t *w, const
             const __m256i scale =
                 _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales_mins, _mm_set1_epi8((char)j)));
             for (int r = 0; r < R; ++r) {
-                const __m256i q = load32(x->q + (r0 + r) * x->in + b * 256 + 32 * j);
+                const __m256i q = load32(X_GROUP(r, 8 * b + j));
                 const __m256i pairs = _mm256_maddubs_epi16(u, q);
                 sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scale));
             }
@@ -456,9 +456,8 @@ KERNEL row_q6_k(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
                 const char a = (char)(8 * n + 2 * k), b1 = (char)(a + 1);
                 const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
                     scales8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b1, b1, b1, b1, b1, b1, b1, b1)));
-                const long at = b * 256 + 128 * n + 32 * k;
                 for (int r = 0; r < R; ++r) {
-                    const __m256i q = load32(x->q + (r0 + r) * x->in + at);
+                    const __m256i q = load32(X_GROUP(r, 8 * b + 4 * n + k));
                     const __m256i pairs = _mm256_maddubs_epi16(u[k], q);
                     sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs, scale));
                 }
