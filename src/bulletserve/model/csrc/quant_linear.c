@@ -367,15 +367,16 @@ static inline __m256 scaled_add(__m256i sums, float scale, __m256 acc) {
 }
 
 /* A Q4_K / Q5_K block's 12 scale bytes as 8 scales (bytes 0-7) and 8 mins (bytes 8-15), the
- * 6-bit fields of scale_min_k4 gathered word by word. */
+ * 6-bit fields of scale_min_k4 gathered word by word in one vector (u0, u1, u2: the 3 words):
+ * scales = (u0 & 63s) then (u2 & 15s) | (u0 >> 6) << 4, mins = (u1 & 63s) then
+ * (u2 >> 4 & 15s) | (u1 >> 6) << 4. Reads 16 bytes (the block goes on past them). */
 static inline __m128i k4_scales_mins(const uint8_t *q) {
-    uint32_t u[3];
-    memcpy(u, q, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    const uint32_t scales_low = u[0] & low6, mins_low = u[1] & low6;
-    const uint32_t scales_high = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-    const uint32_t mins_high = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-    return _mm_setr_epi32((int)scales_low, (int)scales_high, (int)mins_low, (int)mins_high);
+    const __m128i u = _mm_loadu_si128((const __m128i *)q);
+    const __m128i low = _mm_and_si128(u, _mm_set1_epi8(63)); /* lanes: u0, u1 */
+    const __m128i top = _mm_and_si128(_mm_srli_epi32(u, 2), _mm_set1_epi8(0x30));
+    const __m128i u2 = _mm_srlv_epi32(_mm_shuffle_epi32(u, 0xAA), _mm_setr_epi32(0, 4, 0, 0));
+    const __m128i high = _mm_or_si128(_mm_and_si128(u2, _mm_set1_epi8(15)), top);
+    return _mm_unpacklo_epi32(low, high);
 }
 
 /* Q4_K and Q5_K: w = d * scale_j * u - dmin * min_j over sub-block j (32 weights, 6-bit scale
@@ -383,13 +384,17 @@ static inline __m128i k4_scales_mins(const uint8_t *q) {
 static inline __attribute__((always_inline)) void row_k4(const uint8_t *w, const int8_rows *x,
                                                          long r0, const int R, float *out,
                                                          const int five_bits) {
-    __m256 acc[ROWS_MAX] = {0};
+    __m256 acc[ROWS_MAX] = {0}, acc_min[ROWS_MAX] = {0};
     const int block_bytes = five_bits ? 176 : 144;
     for (long b = 0; b < x->groups; ++b, w += block_bytes) {
-        const float d = half_f16c(w), dmin = half_f16c(w + 2);
+        uint32_t d_dmin;
+        memcpy(&d_dmin, w, 4);
+        const __m128 scale_pair = _mm_cvtph_ps(_mm_cvtsi32_si128((int)d_dmin)); /* d, dmin */
         const uint8_t *packed = w + (five_bits ? 48 : 16);
         const __m256i high = five_bits ? load32(w + 16) : _mm256_setzero_si256();
         const __m128i scales_mins = k4_scales_mins(w + 4);
+        /* The 8 scales as int16 in both 128-bit lanes: sub-block j's is broadcast in-lane. */
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
         __m256i sums[ROWS_MAX];
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
@@ -399,8 +404,7 @@ static inline __attribute__((always_inline)) void row_k4(const uint8_t *w, const
                 const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, j), _mm256_set1_epi8(1));
                 u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
             }
-            const __m256i scale =
-                _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales_mins, _mm_set1_epi8((char)j)));
+            const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
             for (int r = 0; r < R; ++r) {
                 const __m256i q = load32(X_GROUP(r, 8 * b + j));
                 const __m256i pairs = _mm256_maddubs_epi16(u, q);
@@ -411,13 +415,14 @@ static inline __attribute__((always_inline)) void row_k4(const uint8_t *w, const
         const __m256i mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
             scales_mins, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
         for (int r = 0; r < R; ++r) {
-            const float dx = X_D(r, b);
-            acc[r] = scaled_add(sums[r], d * dx, acc[r]);
+            const __m128 scaled = _mm_mul_ps(scale_pair, _mm_set1_ps(X_D(r, b)));
             const __m256i min_sums = _mm256_madd_epi16(mins, load32(X_SUMS16(r, b)));
-            acc[r] = scaled_add(min_sums, -dmin * dx, acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_broadcastss_ps(scaled), acc[r]);
+            acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sums),
+                                         _mm256_broadcastss_ps(_mm_movehdup_ps(scaled)), acc_min[r]);
         }
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum(acc_min[r]);
 }
 
 KERNEL row_q4_k(const uint8_t *w, const int8_rows *x, long r0, const int R, float *out) {
@@ -433,13 +438,18 @@ KERNEL row_q5_k(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
  * part is 32 * sum over the 16 sub-blocks of scale * sum(q). */
 KERNEL row_q6_k(const uint8_t *w, const int8_rows *x, long r0, const int R, float *out) {
     __m256 acc[ROWS_MAX] = {0};
-    const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
+    const __m256i mask4 = _mm256_set1_epi8(0x0F), mask_top = _mm256_set1_epi8(0x30);
     for (long b = 0; b < x->groups; ++b, w += 210) {
         const float d = half_f16c(w + 208);
         const int8_t *scales = (const int8_t *)(w + 192);
         /* The 16 scales in the order of the sub-blocks they scale (sub-block i: weights 16i..). */
         const __m128i scales8 = _mm_loadu_si128((const __m128i *)scales);
         const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
+        /* Scales 8n..8n+7 as int16 in both 128-bit lanes: sub-blocks a (low lane) and a + 1
+         * (high lane) are then one in-lane shuffle away. */
+        const __m256i scales_of[2] = {
+            _mm256_broadcastsi128_si256(_mm256_castsi256_si128(scales16)),
+            _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scales16, 1))};
         __m256i sums[ROWS_MAX];
         for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
         for (int n = 0; n < 2; ++n) {
@@ -451,11 +461,14 @@ KERNEL row_q6_k(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
             u[2] = _mm256_and_si256(_mm256_srli_epi16(low0, 4), mask4);
             u[3] = _mm256_and_si256(_mm256_srli_epi16(low1, 4), mask4);
             for (int k = 0; k < 4; ++k) {
-                const __m256i top = _mm256_and_si256(_mm256_srli_epi16(high, 2 * k), mask2);
-                u[k] = _mm256_or_si256(u[k], _mm256_slli_epi16(top, 4));
-                const char a = (char)(8 * n + 2 * k), b1 = (char)(a + 1);
-                const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-                    scales8, _mm_setr_epi8(a, a, a, a, a, a, a, a, b1, b1, b1, b1, b1, b1, b1, b1)));
+                /* Bits 2k, 2k + 1 of each high byte moved to bits 4, 5 (a 16-bit shift: the
+                 * mask drops what crossed from the neighbouring byte). */
+                const __m256i moved = k < 2 ? _mm256_slli_epi16(high, 4 - 2 * k)
+                                            : _mm256_srli_epi16(high, 2 * k - 4);
+                u[k] = _mm256_or_si256(u[k], _mm256_and_si256(moved, mask_top));
+                const short a = (short)(0x0202 * (2 * k) + 0x0100), b1 = (short)(a + 0x0202);
+                const __m256i scale = _mm256_shuffle_epi8(
+                    scales_of[n], _mm256_setr_epi16(a, a, a, a, a, a, a, a, b1, b1, b1, b1, b1, b1, b1, b1));
                 for (int r = 0; r < R; ++r) {
                     const __m256i q = load32(X_GROUP(r, 8 * b + 4 * n + k));
                     const __m256i pairs = _mm256_maddubs_epi16(u[k], q);
