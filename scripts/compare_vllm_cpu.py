@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -268,7 +269,7 @@ def main() -> None:
                 x["rates"][top]["output_tok_s"] for x in config_runs
             ),
             "mean_tpot_ms_at_concurrency": {
-                c: statistics.median(x["concurrency"][c]["mean_tpot_ms"] for x in config_runs)
+                c: _median_measured(x["concurrency"][c]["mean_tpot_ms"] for x in config_runs)
                 for c in levels
             },
             "output_tok_s_at_concurrency": {
@@ -287,6 +288,13 @@ def main() -> None:
     }
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(json.dumps(summary, indent=1))
+
+
+def _median_measured(values: Iterable[float | None]) -> float | None:
+    """The median of the rounds that measured something (a round whose requests all failed has
+    no TPOT), or None if none did."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
 
 
 def _cpu_name() -> str:
