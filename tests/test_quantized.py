@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from bulletserve.engine.model_runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
-from bulletserve.model.decoder import DecoderLM, Linear
+from bulletserve.model.decoder import DecoderLM, Linear, LogitsBuffer
 from bulletserve.model.loader import load_model
 from bulletserve.model.quantized import (
     PackedFormat,
@@ -192,6 +192,25 @@ def test_a_packed_gguf_model_computes_what_the_dequantized_one_does(kernel, mixe
         bits / sum(p.rows * p.in_features for p in parts)
     )
     _assert_packed_logits_are_dequantized_ones(packed, dequantized, kernel, 49152)
+
+
+@torch.inference_mode()
+def test_fp32_logits_are_computed_into_a_lanes_buffer(mixed_gguf):
+    """Packed (our kernel) and dequantized (PyTorch's fp32 GEMM), the LM head writes a step's
+    logits into the lane's reused memory: the same values as new memory, the same memory on
+    the next step."""
+    for runner in (_runner(mixed_gguf, "gguf"), _runner(mixed_gguf, "none")):
+        model = runner.model
+        hidden = torch.randn(
+            5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)
+        )
+        rows = torch.tensor([4, 0, 2])
+        buffer = LogitsBuffer()
+        first = model.logits(hidden, rows, buffer)
+        assert first.dtype == torch.float32 and torch.equal(first, model.logits(hidden, rows))
+        again = model.logits(hidden, rows[:2], buffer)
+        assert again.data_ptr() == first.data_ptr()
+        assert torch.equal(again, model.logits(hidden, rows[:2]))
 
 
 def _assert_packed_logits_are_dequantized_ones(

@@ -259,11 +259,15 @@ class LogitsBuffer:
     def __init__(self) -> None:
         self._memory = torch.empty(0, dtype=torch.float32)
 
+    def memory(self, rows: int, columns: int, device: torch.device) -> torch.Tensor:
+        """fp32 [rows, columns] in this buffer's memory (grown when too small)."""
+        if self._memory.numel() < rows * columns or self._memory.device != device:
+            self._memory = torch.empty(rows * columns, dtype=torch.float32, device=device)
+        return self._memory[: rows * columns].view(rows, columns)
+
     def fp32(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` converted to fp32, in this buffer's memory (grown when too small)."""
-        if self._memory.numel() < logits.numel() or self._memory.device != logits.device:
-            self._memory = torch.empty(logits.numel(), dtype=torch.float32, device=logits.device)
-        return self._memory[: logits.numel()].view(logits.shape).copy_(logits)
+        """`logits` converted to fp32, in this buffer's memory."""
+        return self.memory(logits.shape[0], logits.shape[1], logits.device).copy_(logits)
 
 
 class DecoderLM(nn.Module):
@@ -479,12 +483,20 @@ class DecoderLM(nn.Module):
     def lm_head_logits(self, normed: torch.Tensor, out: LogitsBuffer | None = None) -> torch.Tensor:
         """fp32 logits of final-normed hidden rows; with `out`, in its memory (with several
         ranks, rank 0's whole rows from every rank's columns, in new memory)."""
-        logits = self.lm_head_local(normed)
         if self.tp.size > 1:
-            return self.tp.gather_columns(logits.float(), self.config.vocab_size)
-        if out is None or logits.dtype == torch.float32:
-            return logits.float()
-        return out.fp32(logits)
+            return self.tp.gather_columns(
+                self.lm_head_local(normed).float(), self.config.vocab_size
+            )
+        if out is None:
+            return self.lm_head_local(normed).float()
+        # fp32 products are computed straight into the buffer: a new [rows, vocab] fp32 result
+        # each step would come from fresh pages (see LogitsBuffer).
+        memory = out.memory(normed.shape[0], self.local_vocab_size, normed.device)
+        if self.quantized_lm_head is not None:
+            return self.quantized_kernel(normed.float(), self.quantized_lm_head, out=memory)
+        if self.packed_linear is None and normed.dtype == torch.float32:
+            return torch.mm(normed, self.lm_head_weight.t(), out=memory)
+        return memory.copy_(self.lm_head_local(normed))
 
     @torch.inference_mode()
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -138,13 +138,29 @@ class QuantizedLinearKernel:
         return f"ours (C), GGUF blocks packed, {activations} activations"
 
     def __call__(
-        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x W^T (+ bias), in x's dtype; `out`: contiguous fp32 [rows, out_features] memory to
+        compute it in (new memory where not given)."""
         if x.shape[-1] != weight.in_features:
             raise ValueError(f"x must be [..., {weight.in_features}], got {tuple(x.shape)}")
         rows_in = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
         rows = rows_in.shape[0]
-        out = torch.empty((rows, weight.out_features), dtype=torch.float32)
+        if out is None:
+            out = torch.empty((rows, weight.out_features), dtype=torch.float32)
+        elif (
+            out.shape != (rows, weight.out_features)
+            or out.dtype != torch.float32
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out must be contiguous fp32 [{rows}, {weight.out_features}], "
+                f"got {out.dtype} {tuple(out.shape)}"
+            )
         start = 0
         for part in weight.parts:
             self._check(
