@@ -404,7 +404,8 @@ static inline __attribute__((always_inline)) void row_k4(const uint8_t *w, const
                 const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, j), _mm256_set1_epi8(1));
                 u = _mm256_or_si256(u, _mm256_slli_epi16(bit, 4));
             }
-            const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+            const short pick = (short)(0x0100 * (2 * j + 1) + 2 * j); /* int16 lane j */
+            const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(pick));
             for (int r = 0; r < R; ++r) {
                 const __m256i q = load32(X_GROUP(r, 8 * b + j));
                 const __m256i pairs = _mm256_maddubs_epi16(u, q);
@@ -417,9 +418,10 @@ static inline __attribute__((always_inline)) void row_k4(const uint8_t *w, const
         for (int r = 0; r < R; ++r) {
             const __m128 scaled = _mm_mul_ps(scale_pair, _mm_set1_ps(X_D(r, b)));
             const __m256i min_sums = _mm256_madd_epi16(mins, load32(X_SUMS16(r, b)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_broadcastss_ps(scaled), acc[r]);
-            acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sums),
-                                         _mm256_broadcastss_ps(_mm_movehdup_ps(scaled)), acc_min[r]);
+            const __m256 d_dx = _mm256_broadcastss_ps(scaled);
+            const __m256 dmin_dx = _mm256_broadcastss_ps(_mm_movehdup_ps(scaled));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), d_dx, acc[r]);
+            acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sums), dmin_dx, acc_min[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum(acc_min[r]);
@@ -468,7 +470,8 @@ KERNEL row_q6_k(const uint8_t *w, const int8_rows *x, long r0, const int R, floa
                 u[k] = _mm256_or_si256(u[k], _mm256_and_si256(moved, mask_top));
                 const short a = (short)(0x0202 * (2 * k) + 0x0100), b1 = (short)(a + 0x0202);
                 const __m256i scale = _mm256_shuffle_epi8(
-                    scales_of[n], _mm256_setr_epi16(a, a, a, a, a, a, a, a, b1, b1, b1, b1, b1, b1, b1, b1));
+                    scales_of[n],
+                    _mm256_setr_epi16(a, a, a, a, a, a, a, a, b1, b1, b1, b1, b1, b1, b1, b1));
                 for (int r = 0; r < R; ++r) {
                     const __m256i q = load32(X_GROUP(r, 8 * b + 4 * n + k));
                     const __m256i pairs = _mm256_maddubs_epi16(u[k], q);
