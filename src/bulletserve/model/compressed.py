@@ -28,6 +28,8 @@ from bulletserve.model.quantized import PackedFormat, PackedPart
 
 METHOD = "compressed-tensors"
 _BLOCK = PackedFormat.Q8_0.block_weights
+# Tensors read beside a matrix's values, not weights of their own.
+_BESIDE = (".weight_scale", ".weight_zero_point", ".weight_shape", ".input_scale")
 
 
 def quantization_method(folder: Path) -> str | None:
@@ -151,7 +153,3 @@ def read_compressed(
             per_weight = groups.repeat_interleave(values.shape[1] // groups.shape[1], dim=1)
             floats[weight_name] = values.float() * per_weight
     return parts, floats
-
-
-# Tensors read beside a matrix's values, not weights of their own.
-_BESIDE = (".weight_scale", ".weight_zero_point", ".weight_shape", ".input_scale")
