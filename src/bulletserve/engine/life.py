@@ -179,38 +179,40 @@ class RequestLife:
     def output(self, request: Request) -> RequestOutput:
         """The request's output so far and what is new since the last one (a tail that could
         still grow into a stop string held back)."""
-        chars, tokens = self._emitted.get(request.request_id, (0, 0))
-        visible = len(request.text)
-        if not request.is_finished and request.params.stop:
+        # Built for every row at every step: each attribute read once.
+        request_id, params, text = request.request_id, request.params, request.text
+        token_ids = request.output_token_ids
+        finished = request.is_finished
+        chars, tokens = self._emitted.get(request_id, (0, 0))
+        visible = len(text)
+        if not finished and params.stop:
             # Hold back a tail that could still grow into a stop string.
-            visible = max(chars, visible - max(len(s) for s in request.params.stop) + 1)
+            visible = max(chars, visible - max(len(s) for s in params.stop) + 1)
         output = RequestOutput(
-            request_id=request.request_id,
+            request_id=request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            text=request.text[:visible],
-            token_ids=list(request.output_token_ids),
-            new_text=request.text[chars:visible],
-            new_token_ids=request.output_token_ids[tokens:],
-            finished=request.is_finished,
+            text=text[:visible],
+            token_ids=token_ids[:],
+            new_text=text[chars:visible],
+            new_token_ids=token_ids[tokens:],
+            finished=finished,
             finish_reason=request.finish_reason,
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            logprobs=request.output_logprobs[:] if params.logprobs is not None else None,
             prompt_logprobs=(
-                [None, *request.prompt_logprobs]
-                if request.params.prompt_logprobs is not None
-                else None
+                [None, *request.prompt_logprobs] if params.prompt_logprobs is not None else None
             ),
             timings=request.timings,
             num_preemptions=request.num_preemptions,
             num_cached_tokens=request.num_cached_tokens,
         )
-        if request.is_finished:
-            self._emitted.pop(request.request_id, None)
-            self._detokenizers.pop(request.request_id, None)
+        if finished:
+            self._emitted.pop(request_id, None)
+            self._detokenizers.pop(request_id, None)
             with self._lock:
-                self.requests.pop(request.request_id, None)
+                self.requests.pop(request_id, None)
         else:
-            self._emitted[request.request_id] = (visible, len(request.output_token_ids))
+            self._emitted[request_id] = (visible, len(token_ids))
         return output
 
 
