@@ -26,6 +26,7 @@ from bulletserve.server.protocol import (
     ChatMessage,
     ChatTemplateFields,
     ChatTokenLogprob,
+    ChunkFrame,
     DeltaMessage,
     FunctionCallDelta,
     NamedToolChoice,
@@ -301,15 +302,22 @@ class _ChatEvents:
         self.mode = mode
         self.echo = echo
         self.created = now()
+        self.frame = ChunkFrame(
+            ChatCompletionChunk(
+                id=request_id, created=self.created, model=owner.serving.model_name, choices=[]
+            )
+        )
         self.choices: dict[int, _ChoiceStream] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], outputs: list[RequestOutput] | None) -> str:
+        if outputs is None:
+            return self.frame.json(choices)
         chunk = ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
             model=self.owner.serving.model_name,
             choices=choices,
-            usage=usage(outputs) if outputs is not None else None,
+            usage=usage(outputs),
         )
         return chunk.model_dump_json()
 

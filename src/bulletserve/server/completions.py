@@ -11,6 +11,7 @@ from bulletserve.engine.request import RequestOutput, TokenLogprob
 from bulletserve.server.errors import APIError
 from bulletserve.server.protocol import (
     MAX_CHOICES,
+    ChunkFrame,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -235,6 +236,11 @@ class _CompletionEvents:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # usage in every chunk, of its choice
         self.created = now()
+        self.frame = ChunkFrame(
+            CompletionChunk(
+                id=request_id, created=self.created, model=owner.serving.model_name, choices=[]
+            )
+        )
         self.echoes = echoes  # per prompt: what echo puts before each of its choices' text
         self.width = width
         self.echo_top = echo_top  # with echo and logprobs: the prompt's alternatives
@@ -245,12 +251,14 @@ class _CompletionEvents:
         self.text_offset: dict[int, int] = {}
 
     def _chunk(self, choices: list[CompletionChoice], outputs: list[RequestOutput] | None) -> str:
+        if outputs is None:
+            return self.frame.json(choices)
         chunk = CompletionChunk(
             id=self.request_id,
             created=self.created,
             model=self.owner.serving.model_name,
             choices=choices,
-            usage=usage(outputs, self.width) if outputs is not None else None,
+            usage=usage(outputs, self.width),
         )
         return chunk.model_dump_json()
 
