@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from bulletserve.cli import build_parser, main
-from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.config import EngineConfig, waits_for_handoff
 from tests.server.harness import need_tokenizer, running_app, tiny_engine
 
 TINY = ["serve", "--model", "tiny", "--load-format", "dummy", "--port", "0"]
@@ -121,7 +121,11 @@ def test_the_startup_block_says_what_runs():
         "policy: bullet (partition auto; SLO TTFT 3 ms a prompt token + 0 ms, TPOT 200 ms" in text
     )
     assert "profile measured at start" in text
-    assert lines[-1].startswith("kernels: projections ")
+    assert lines[-2].startswith("kernels: projections ")
+    # On a CPU the engine waits for the event loop's hand-off; on a GPU it would step on.
+    assert lines[-1].startswith("engine: a thread of the server process; it waits for the ")
+    assert engine.engine.life.acks_handoff
+    assert waits_for_handoff("cpu") and not waits_for_handoff("cuda")
 
 
 def test_the_stats_line_reports_an_interval_and_stays_quiet_while_idle():

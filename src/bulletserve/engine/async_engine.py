@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
-from bulletserve.engine.config import HANDOFF_WAIT_S, EngineConfig
+from bulletserve.engine.config import HANDOFF_WAIT_S, EngineConfig, waits_for_handoff
 from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
@@ -66,6 +66,7 @@ class AsyncEngine:
         # pays a futex wake-up: measured +10-15 us per op on the 2-core CPU.
         try:
             self.engine = engine or create_engine(config)
+            self.engine.life.acks_handoff = waits_for_handoff(self.engine.device.type)
         except BaseException as exc:
             self._startup_error = exc
             return
@@ -89,7 +90,16 @@ class AsyncEngine:
         return self.engine.stats()
 
     def describe(self) -> list[str]:
-        return self.engine.describe()
+        if self.engine.life.acks_handoff:
+            arrangement = "waits for the event loop to write a step's tokens (at most "
+            arrangement += f"{HANDOFF_WAIT_S * 1e3:g} ms) before the next: on a CPU the loop "
+            arrangement += "would take a core from the compute team"
+        else:
+            arrangement = "steps on while the event loop writes a step's tokens"
+        return [
+            *self.engine.describe(),
+            f"engine: a thread of the server process; it {arrangement}",
+        ]
 
     @property
     def num_streams(self) -> int:
@@ -154,7 +164,6 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         engine = self.engine
-        engine.life.acks_handoff = True
         while not self._stop.is_set():
             if not engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
@@ -172,7 +181,7 @@ class AsyncEngine:
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand a step's outputs to their streams with one wake-up per event loop (not one per
-        request), then wait (bounded) until the loop has passed them on.
+        request); on a CPU, then wait (bounded) until the loop has passed them on.
 
         The loop thread competes with the compute threads for the cores: if it formats and
         writes a step's tokens while the next step computes, it preempts one thread of the
@@ -185,13 +194,15 @@ class AsyncEngine:
                 if stream is not None:
                     batches.setdefault(stream.loop, []).append((stream.queue, item))
         handled = []
+        wait = self.engine.life.acks_handoff
         for loop, batch in batches.items():
             done = threading.Event()
             try:
                 loop.call_soon_threadsafe(_put_all, batch, done)
             except RuntimeError:  # the loop has closed: nobody is listening any more
                 continue
-            handled.append(done)
+            if wait:
+                handled.append(done)
         for done in handled:
             done.wait(HANDOFF_WAIT_S)
 

@@ -20,8 +20,15 @@ from bulletserve.sched.slo import check_target
 
 # How long the engine waits, after a step's outputs went to the server's event loop, for the
 # loop to have written them out before it computes the next step (`AsyncEngine._deliver`,
-# and the lanes before planning theirs).
+# and the lanes before planning theirs). Only on a CPU: there the loop's thread would take a
+# core from the compute team; a GPU's step shares nothing with the loop but the interpreter
+# lock, and a wait would leave the device idle while the loop writes.
 HANDOFF_WAIT_S = 0.05
+
+
+def waits_for_handoff(device_type: str) -> bool:
+    """Whether a served engine on this kind of device waits for the event loop's hand-off."""
+    return device_type == "cpu"
 
 
 @dataclass(frozen=True, kw_only=True)
