@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from bulletserve.cli import build_parser, main
+from bulletserve.cli.serve import engine_core
 from bulletserve.engine.config import EngineConfig, waits_for_handoff
 from tests.server.harness import need_tokenizer, running_app, tiny_engine
 
@@ -85,6 +86,16 @@ def test_gpu_memory_utilization_on_a_cpu_names_the_flag_that_sizes_its_kv_cache(
     argv = [*TINY, "--device", "cpu", "--gpu-memory-utilization", "0.9"]
     assert main(argv) == 2
     assert "on a CPU, --kv-cache-memory does" in capsys.readouterr().err
+
+
+def test_the_engine_core_runs_in_a_process_on_a_gpu_and_never_beside_replicas(capsys):
+    assert engine_core("auto", "cpu") == "thread"  # the compute takes the CPU's cores
+    assert engine_core("process", "cpu") == "process"
+    argv = [*TINY, "--engine-core", "process", "-dp", "2", "--distributed-executor-backend", "ray"]
+    assert main(argv) == 2
+    assert "--engine-core: each data-parallel replica is a Ray actor's process" in (
+        capsys.readouterr().err
+    )
 
 
 def test_enable_log_requests_logs_each_request_and_its_end(caplog):

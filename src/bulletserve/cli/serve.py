@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 from bulletserve.cli import CLIError
 from bulletserve.engine.config import EngineConfig, add_engine_args
@@ -19,6 +20,10 @@ from bulletserve.server.settings import (
     ServerSettings,
 )
 from bulletserve.server.tools import TOOL_PARSERS
+
+# `--engine-core`: where the engine runs (`engine_core`).
+EngineCore = Literal["auto", "thread", "process"]
+ENGINE_CORES: tuple[EngineCore, ...] = ("auto", "thread", "process")
 
 logger = logging.getLogger("bulletserve.serve")
 
@@ -114,6 +119,14 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         help="the format tool calls are parsed from: hermes (Qwen2.5/3, Hermes, SmolLM2) or "
         "llama3_json (Llama 3.x) (default: read off the chat template)",
     )
+    parser.add_argument(
+        "--engine-core",
+        choices=ENGINE_CORES,
+        default="auto",
+        help="where the engine runs: thread (a thread of the server process), process (a "
+        "process of its own, stepping while the server writes tokens); auto: process on a GPU, "
+        "thread on a CPU (whose cores the compute takes: there the thread measured faster)",
+    )
     replicas = parser.add_argument_group("data-parallel replicas")
     replicas.add_argument(
         "--data-parallel-size",
@@ -133,6 +146,15 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     replicas.add_argument("--ray-address", default=None, help="a Ray cluster to join")
     add_engine_args(parser)
     parser.set_defaults(run=run)
+
+
+def engine_core(setting: EngineCore, device: str) -> EngineCore:
+    """`--engine-core` resolved on this machine: auto is a process on a GPU, else a thread."""
+    if setting != "auto":
+        return setting
+    from bulletserve.engine.engine import resolve_device
+
+    return "process" if resolve_device(device).type == "cuda" else "thread"
 
 
 def _log_to_stderr(level: str) -> None:
@@ -180,6 +202,11 @@ def _check(args: argparse.Namespace) -> None:
         args.slo_classes = dict(parse_slo_class(text) for text in args.slo_class)
     except ValueError as exc:
         raise CLIError(f"--slo-class: {exc}") from None
+    if args.data_parallel_size > 1 and args.engine_core != "auto":
+        raise CLIError(
+            "--engine-core: each data-parallel replica is a Ray actor's process already; leave "
+            "--engine-core out with --data-parallel-size"
+        )
     if args.data_parallel_size > 1 and args.distributed_executor_backend != "ray":
         raise CLIError(
             "--data-parallel-size runs its replicas on Ray: add --distributed-executor-backend ray"
@@ -204,6 +231,10 @@ def run(args: argparse.Namespace) -> int:
             from bulletserve.replicas.ray_replicas import RayReplicas
 
             engine = RayReplicas(config, args.data_parallel_size, args.ray_address)
+        elif engine_core(args.engine_core, config.device) == "process":
+            from bulletserve.engine.core_process import CoreProcess
+
+            engine = CoreProcess(config)
         else:
             engine = AsyncEngine(config)
     except (ModelNotFoundError, GGUFError, ValueError) as exc:

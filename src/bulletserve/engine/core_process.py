@@ -1,0 +1,443 @@
+"""The engine in a process of its own, behind an `EngineClient` (`bullet serve --engine-core
+process`; the default on a GPU).
+
+In-process (`AsyncEngine`) the engine's thread and the server's event loop share one
+interpreter lock: while the loop formats and writes a step's chunks (about 50 us a stream) the
+engine cannot plan or launch the next step, and a GPU waits. Here the engine core (policy,
+bookkeeping, executor, detokenization, stops) runs in a child process on its own interpreter,
+steps as soon as it has work, and sends each step's outputs as one message; the server's
+process keeps the tokenizer for prompts, builds each stream's output from the deltas and writes
+the chunks, while the core runs the next step.
+
+Messages (pickled over two pipes): to the core `("add", request id, prompt ids, params,
+service, arrival)`, `("abort", request id)`, `("stop",)`; from it `("ready", describe lines)`
+or `("failed", message)` once, then `("outputs", [deltas])` after each step,
+`("rejected", request id, message)` for a request it refused (a 400; `"faulted"`: its handling
+failed, a 500), `("stats", EngineStats)`
+a few times a second, and `("dead", message)` when a step fails. A core that dies or fails ends
+every open stream with `EngineDeadError` and turns `/health` to 503, as in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
+from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.request import RequestOutput, RequestTimings, TokenLogprob
+from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.sched.slo import ServiceClass
+
+logger = logging.getLogger(__name__)
+
+# How often the core reports its statistics (for /metrics, the stats log, num_running).
+STATS_INTERVAL_S = 0.25
+# How long the core may take to load its model and measure its device.
+START_TIMEOUT_S = 900.0
+# Grammar compiles and bad words' tokenization run beside the core's loop, this many at once.
+DECODING_WORKERS = 2
+
+
+@dataclass
+class OutputDelta:
+    """What a step added to one request's output: the part of a `RequestOutput` the server's
+    process does not have yet (it has the prompt, and the text and tokens sent before)."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    new_logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None  # the first delta's only
+    timings: RequestTimings
+    num_preemptions: int
+    num_cached_tokens: int
+
+    @classmethod
+    def of(cls, output: RequestOutput, first: bool) -> OutputDelta:
+        seen = len(output.token_ids) - len(output.new_token_ids)
+        return cls(
+            output.request_id,
+            output.new_text,
+            output.new_token_ids,
+            output.finished,
+            output.finish_reason,
+            output.logprobs[seen:] if output.logprobs is not None else None,
+            output.prompt_logprobs if first else None,
+            output.timings,
+            output.num_preemptions,
+            output.num_cached_tokens,
+        )
+
+
+@dataclass
+class _StreamState:
+    """A request's stream in the server's process: its outputs so far, rebuilt from deltas."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    prompt: str | None
+    prompt_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def apply(self, delta: OutputDelta) -> RequestOutput:
+        self.text += delta.new_text
+        self.token_ids += delta.new_token_ids
+        if delta.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.new_logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        return RequestOutput(
+            request_id=delta.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            text=self.text,
+            token_ids=self.token_ids[:],
+            new_text=delta.new_text,
+            new_token_ids=delta.new_token_ids,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            logprobs=self.logprobs[:] if self.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
+            timings=delta.timings,
+            num_preemptions=delta.num_preemptions,
+            num_cached_tokens=delta.num_cached_tokens,
+        )
+
+
+class CoreProcess:
+    """An `EngineClient` over an engine core in a child process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.front = ModelFront.load(config)
+        context = multiprocessing.get_context("spawn")
+        core_requests, self._requests = context.Pipe(duplex=False)  # (read end, write end)
+        self._outputs, core_outputs = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_run_core,
+            args=(config, core_requests, core_outputs, logging.getLogger().getEffectiveLevel()),
+            name="bullet-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        core_requests.close()
+        core_outputs.close()
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, _StreamState] = {}
+        self._streams_lock = threading.Lock()
+        self._stats = EngineStats()
+        self.error: BaseException | None = None
+        self._stopping = False
+        if not self._outputs.poll(START_TIMEOUT_S):
+            self._process.kill()
+            raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:g} s")
+        try:
+            kind, payload = self._outputs.recv()
+        except EOFError:
+            self._process.join(5)
+            raise RuntimeError(
+                f"the engine core exited while starting (exit code {self._process.exitcode})"
+            ) from None
+        if kind == "failed":
+            self._process.join(5)
+            raise payload
+        self._core_lines: list[str] = payload
+        self._receiver = threading.Thread(
+            target=self._receive, name="engine-core-outputs", daemon=True
+        )
+        self._receiver.start()
+
+    # ---- EngineClient -------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._process.is_alive()
+
+    @property
+    def num_running(self) -> int:
+        return self._stats.num_running
+
+    @property
+    def num_streams(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def describe(self) -> list[str]:
+        return [
+            *self._core_lines,
+            f"engine: its own process (pid {self._process.pid}); it steps on while the server "
+            "writes a step's tokens",
+        ]
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None = None,
+        service: ServiceClass = ServiceClass(),
+    ) -> AsyncIterator[RequestOutput]:
+        """As `AsyncEngine.generate`: outputs after every step that advanced the request, the
+        last one finished; ValueError (bad input, as the core found it) before the first."""
+        prompt_ids = self.front.tokenize(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        stream = _StreamState(asyncio.Queue(), asyncio.get_running_loop(), text, prompt_ids)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = stream
+        finished = False
+        try:
+            if not self.healthy:
+                raise EngineDeadError(f"the engine core has failed: {self.error!r}")
+            arrival = arrival_time or time.monotonic()
+            self._send(("add", request_id, prompt_ids, params, service, arrival))
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished and self.healthy:
+                try:
+                    self._send(("abort", request_id))
+                except EngineDeadError:
+                    pass  # nothing left to abort
+
+    def end_streams(self, message: str) -> None:
+        """End every open stream with StreamEndedError(message), which aborts its request.
+        Called on the event loop the streams were opened on."""
+        with self._streams_lock:
+            queues = [stream.queue for stream in self._streams.values()]
+        for queue in queues:
+            queue.put_nowait(StreamEndedError(message))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._process.is_alive():
+            try:
+                self._send(("stop",))
+            except EngineDeadError:
+                pass
+            self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self.front.close()
+
+    # ---- the server's side of the pipes -----------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._requests.send(message)
+        except OSError as exc:  # the core has gone; its receiver fails the open streams
+            raise EngineDeadError(f"the engine core is gone: {exc}") from None
+
+    def _receive(self) -> None:
+        """Pass the core's messages on until it ends; then fail what is still open."""
+        try:
+            while True:
+                kind, *payload = self._outputs.recv()
+                if kind == "outputs":
+                    self._deliver(payload[0])
+                elif kind == "stats":
+                    self._stats = payload[0]
+                elif kind == "rejected":
+                    request_id, message = payload
+                    self._to_stream(request_id, ValueError(message))
+                elif kind == "faulted":
+                    request_id, message = payload
+                    self._to_stream(request_id, EngineDeadError(f"request {request_id}: {message}"))
+                elif kind == "dead":
+                    self.error = EngineDeadError(f"engine fault: {payload[0]}")
+                    break
+        except (EOFError, OSError):
+            if self._stopping:
+                return
+            self._process.join(5)
+            self.error = EngineDeadError(
+                f"the engine core exited (exit code {self._process.exitcode})"
+            )
+        logger.error("%s", self.error)
+        with self._streams_lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._to_stream(request_id, self.error)
+
+    def _deliver(self, deltas: list[OutputDelta]) -> None:
+        """A step's outputs to their streams, one wake-up per event loop."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        with self._streams_lock:
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream.queue, stream.apply(delta)))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                continue
+
+    def _to_stream(self, request_id: str, item: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:
+                pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
+
+
+# ---- the core's process ---------------------------------------------------------------------
+
+
+def _run_core(
+    config: EngineConfig, requests: Connection, outputs: Connection, log_level: int
+) -> None:
+    """The child process: build the engine on this (main) thread, which then steps it (the
+    only thread that leads an OpenMP team, as in `AsyncEngine`), while a reader thread takes
+    requests in."""
+    from bulletserve.engine.factory import create_engine
+
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s core: %(message)s")
+    try:
+        engine = create_engine(config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the server, which raises it
+        try:
+            outputs.send(("failed", exc))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            outputs.send(("failed", RuntimeError(f"{type(exc).__name__}: {exc}")))
+        return
+    Core(engine, requests, outputs).run()
+
+
+class Core:
+    """The engine core's loop in its process: requests from one pipe, outputs to the other."""
+
+    def __init__(self, engine: LLMEngine, requests: Connection, outputs: Connection) -> None:
+        self.engine = engine
+        self.requests = requests
+        self.outputs = outputs
+        self._send_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._started: set[str] = set()  # requests whose first output went out
+        self._decoding = ThreadPoolExecutor(DECODING_WORKERS, thread_name_prefix="decoding")
+
+    def run(self) -> None:
+        self._send(("ready", self.engine.describe()))
+        reader = threading.Thread(target=self._read, name="core-requests", daemon=True)
+        reader.start()
+        engine = self.engine
+        last_stats = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now - last_stats >= STATS_INTERVAL_S:
+                    self._send(("stats", engine.stats()))
+                    last_stats = now
+                if not engine.has_unfinished():
+                    self._wake.wait(STATS_INTERVAL_S)
+                    self._wake.clear()
+                    continue
+                try:
+                    step_outputs = engine.step()
+                except Exception as exc:  # a fault fails every request; /health reports it
+                    logger.exception("engine step failed")
+                    self._send(("dead", repr(exc)))
+                    return
+                if step_outputs:
+                    self._send(("outputs", [self._delta(o) for o in step_outputs]))
+        finally:
+            self._decoding.shutdown(wait=False, cancel_futures=True)
+            engine.close()
+
+    def _delta(self, output: RequestOutput) -> OutputDelta:
+        first = output.request_id not in self._started
+        if output.finished:
+            self._started.discard(output.request_id)
+        elif first:
+            self._started.add(output.request_id)
+        return OutputDelta.of(output, first)
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self.outputs.send(message)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, *payload = self.requests.recv()
+                if kind == "add":
+                    self._add(*payload)
+                elif kind == "abort":
+                    self.engine.abort_request(payload[0])
+                    self._wake.set()
+                elif kind == "stop":
+                    break
+        except (EOFError, OSError):
+            pass  # the server's process has gone: stop too
+        self._stop.set()
+        self._wake.set()
+
+    def _add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        service: ServiceClass,
+        arrival: float,
+    ) -> None:
+        if DecodingState.needs_work_off_loop(params):
+            # A grammar to compile or words to tokenize: beside the loop, not in its way.
+            self._decoding.submit(self._add_now, request_id, prompt_ids, params, service, arrival)
+        else:
+            self._add_now(request_id, prompt_ids, params, service, arrival)
+
+    def _add_now(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        service: ServiceClass,
+        arrival: float,
+    ) -> None:
+        try:
+            decoding = None
+            if DecodingState.needs_work_off_loop(params):
+                decoding = self.engine.front.decoding_state(params)
+            self.engine.add_request(prompt_ids, params, request_id, arrival, service, decoding)
+        except ValueError as exc:
+            self._send(("rejected", request_id, str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - this request's fault alone; the core serves on
+            logger.exception("request %s could not be added", request_id)
+            self._send(("faulted", request_id, f"{type(exc).__name__}: {exc}"))
+            return
+        self._wake.set()

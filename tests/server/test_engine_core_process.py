@@ -1,0 +1,136 @@
+"""The engine core in a process of its own (`--engine-core process`) behind the real server:
+the same greedy outputs as the in-process engine (streamed and whole, logprobs rebuilt from the
+deltas), bad input refused as a 400, a client that leaves frees its blocks, and a core that
+dies ends every open stream with an error event and turns /health to 503."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.core_process import STATS_INTERVAL_S, CoreProcess
+from bulletserve.engine.sampling_params import SamplingParams
+from tests.server.harness import need_tokenizer, running_app, tiny_engine, wait_until
+
+BODIES = [
+    {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0},
+    {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 2, "n": 2},
+    {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def core():
+    need_tokenizer()
+    engine = CoreProcess(EngineConfig(model="tiny", load_format="dummy"))
+    yield engine
+    engine.shutdown()
+
+
+def _answers(url: str) -> list[dict[int, tuple[str, list[str], list[float]]]]:
+    """Each body whole, then streamed: per choice its text, tokens and their logprobs (a
+    stream's chunks gathered per choice: choices interleave as their steps come)."""
+    answers = []
+    with httpx.Client(trust_env=False, timeout=60) as client:
+        for body in BODIES:
+            whole = client.post(url + "/v1/completions", json=body).json()
+            choices = [(c["index"], c["text"], c["logprobs"]) for c in whole["choices"]]
+            answers.append(_per_choice(choices))
+            streamed = []
+            with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line.removeprefix("data: "))
+                        streamed += [
+                            (c["index"], c["text"], c["logprobs"]) for c in chunk["choices"]
+                        ]
+            answers.append(_per_choice(streamed))
+    return answers
+
+
+def _per_choice(parts: list[tuple[int, str, dict | None]]) -> dict:
+    choices: dict[int, tuple[str, list[str], list[float]]] = {}
+    for index, text, logprobs in parts:
+        so_far = choices.get(index, ("", [], []))
+        tokens = logprobs["tokens"] if logprobs else []
+        values = [v for v in logprobs["token_logprobs"] if v is not None] if logprobs else []
+        choices[index] = (so_far[0] + text, so_far[1] + tokens, so_far[2] + values)
+    return choices
+
+
+def test_the_core_process_answers_as_the_engine_in_process_does(core):
+    in_process = tiny_engine()
+    try:
+        with running_app(in_process) as url:
+            expected = _answers(url)
+    finally:
+        in_process.shutdown()
+    with running_app(core) as url:
+        answers = _answers(url)
+    for got, want in zip(answers, expected, strict=True):
+        assert got.keys() == want.keys()
+        for index, (text, tokens, logprobs) in got.items():
+            assert (text, tokens) == want[index][:2]
+            # A row's logits may move in their last bits with the rows beside it in a step,
+            # and the two engines' steps group the choices as their timing falls.
+            assert logprobs == pytest.approx(want[index][2], abs=1e-4)
+    assert core.describe()[-1].startswith("engine: its own process (pid ")
+
+
+def test_bad_input_found_by_the_core_is_a_value_error_before_any_output(core):
+    too_long = [5] * (core.front.max_model_len + 1)  # past the check the server makes first
+    with pytest.raises(ValueError, match="max-model-len"):
+        asyncio.run(_first(core, too_long, "too-long"))
+    assert asyncio.run(_first(core, [5, 6, 7], "fine")).new_token_ids  # the core serves on
+
+
+async def _first(core: CoreProcess, prompt_ids: list[int], request_id: str):
+    async for output in core.generate(prompt_ids, SamplingParams(max_tokens=2), request_id):
+        return output
+
+
+def test_a_client_that_leaves_mid_stream_is_aborted_and_frees_its_blocks(core):
+    time.sleep(2 * STATS_INTERVAL_S)  # statistics sent after the earlier tests' requests
+    before = core.stats().generation_tokens
+    body = {"prompt": "Tell me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with running_app(core) as url, httpx.Client(trust_env=False, timeout=60) as client:
+        with client.stream("POST", url + "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    break
+    assert wait_until(lambda: core.num_streams == 0)
+    time.sleep(2 * STATS_INTERVAL_S)
+    stats = core.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0
+    assert 0 < stats.generation_tokens - before < 1000  # stopped early: aborted, not finished
+
+
+def test_a_core_that_dies_ends_the_open_streams_and_health_turns_503():
+    need_tokenizer()
+    engine = CoreProcess(EngineConfig(model="tiny", load_format="dummy"))
+    body = {"prompt": "Tell me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    try:
+        with running_app(engine) as url, httpx.Client(trust_env=False, timeout=60) as client:
+            lines = []
+            with client.stream("POST", url + "/v1/completions", json=body) as reply:
+                for line in filter(None, reply.iter_lines()):
+                    lines.append(line)
+                    if len(lines) == 3:
+                        os.kill(engine._process.pid, signal.SIGKILL)
+            events = [json.loads(x.removeprefix("data: ")) for x in lines[3:] if "{" in x]
+            assert events and events[-1]["error"]["code"] == 500, lines[-4:]
+            assert events[-1]["error"]["message"].startswith("the engine failed")
+            assert lines[-1] == "data: [DONE]"
+            assert client.get(url + "/health").status_code == 503
+            after = client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert after.status_code == 500
+    finally:
+        engine.shutdown()
