@@ -135,10 +135,7 @@ class AsyncEngine:
                 prompt, params, request_id, arrival_time or time.monotonic(), service, decoding
             )
             self._wake.set()
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in stream_outputs(stream.queue):
                 finished = item.finished
                 yield item
         finally:
@@ -210,6 +207,28 @@ class AsyncEngine:
         with self._streams_lock:
             request_ids = list(self._streams)
         self._deliver([(request_id, error) for request_id in request_ids])
+
+
+async def stream_outputs(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its stream's queue until the finished one; an exception in the
+    queue is raised in its turn. Outputs that queued up while the event loop was busy go out as
+    one (`RequestOutput.then`): a stream that falls behind the engine catches up in one chunk
+    instead of writing every step's."""
+    pending: BaseException | None = None
+    while pending is None:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        while not item.finished and not queue.empty():
+            later = queue.get_nowait()
+            if isinstance(later, BaseException):
+                pending = later
+                break
+            item = item.then(later)
+        yield item
+        if item.finished:
+            return
+    raise pending
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]], done: threading.Event) -> None:

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
+from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError, stream_outputs
 from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
@@ -209,10 +209,7 @@ class CoreProcess:
                 raise EngineDeadError(f"the engine core has failed: {self.error!r}")
             arrival = arrival_time or time.monotonic()
             self._send(("add", request_id, prompt_ids, params, service, arrival))
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in stream_outputs(stream.queue):
                 finished = item.finished
                 yield item
         finally:

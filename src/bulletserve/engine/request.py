@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -176,6 +177,15 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     sequences: list[CompletionOutput] | None = None  # a prompt's n, where gathered
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """`later` with what was new in this output too: two consecutive outputs of a request
+        as one (every other field of `later` is already cumulative)."""
+        return dataclasses.replace(
+            later,
+            new_text=self.new_text + later.new_text,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+        )
 
     @property
     def outputs(self) -> list[CompletionOutput]:
