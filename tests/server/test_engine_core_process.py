@@ -23,6 +23,8 @@ BODIES = [
     {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0},
     {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 2, "n": 2},
     {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1},
+    # A grammar, compiled in the core beside its loop.
+    {"prompt": "Pick", "max_tokens": 8, "temperature": 0, "guided_regex": "[0-9]{3}-[a-c]+"},
 ]
 
 

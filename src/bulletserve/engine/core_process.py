@@ -9,20 +9,23 @@ steps as soon as it has work, and sends each step's outputs as one message; the 
 process keeps the tokenizer for prompts, builds each stream's output from the deltas and writes
 the chunks, while the core runs the next step.
 
-Messages (pickled over two pipes): to the core `("add", request id, prompt ids, params,
-service, arrival)`, `("abort", request id)`, `("stop",)`; from it `("ready", describe lines)`
-or `("failed", message)` once, then `("outputs", [deltas])` after each step,
-`("rejected", request id, message)` for a request it refused (a 400; `"faulted"`: its handling
-failed, a 500), `("stats", EngineStats)`
-a few times a second, and `("dead", message)` when a step fails. A core that dies or fails ends
-every open stream with `EngineDeadError` and turns `/health` to 503, as in-process.
+Messages (pickled over two pipes; the engine's config first): to the core `("add", request id,
+prompt ids, params, service, arrival)`, `("abort", request id)`, `("stop",)`; from it
+`("ready", describe lines)` or `("failed", exception)` once, then `("outputs", [deltas])` after
+each step, `("rejected", request id, message)` for a request it refused (a 400; `"faulted"`: its
+handling failed, a 500), `("stats", EngineStats)` a few times a second, and `("dead", message)`
+when a step fails. A core that dies or fails ends every open stream with `EngineDeadError` and
+turns `/health` to 503, as in-process.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
-import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +37,7 @@ from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError, s
 from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
+from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput, RequestTimings, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.sched.slo import ServiceClass
@@ -124,18 +128,27 @@ class CoreProcess:
 
     def __init__(self, config: EngineConfig) -> None:
         self.front = ModelFront.load(config)
-        context = multiprocessing.get_context("spawn")
-        core_requests, self._requests = context.Pipe(duplex=False)  # (read end, write end)
-        self._outputs, core_outputs = context.Pipe(duplex=False)
-        self._process = context.Process(
-            target=_run_core,
-            args=(config, core_requests, core_outputs, logging.getLogger().getEffectiveLevel()),
-            name="bullet-engine-core",
-            daemon=True,
+        # A process of its own (`python -m bulletserve.engine.core_process`, as the tensor-
+        # parallel ranks start), not multiprocessing's spawn, which imports the caller's main
+        # module again; two pipes passed down by descriptor, the config their first message.
+        core_reads, server_writes = os.pipe()
+        server_reads, core_writes = os.pipe()
+        self._process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bulletserve.engine.core_process",
+                f"--requests-fd={core_reads}",
+                f"--outputs-fd={core_writes}",
+                f"--log-level={logging.getLogger().getEffectiveLevel()}",
+            ],
+            pass_fds=(core_reads, core_writes),
         )
-        self._process.start()
-        core_requests.close()
-        core_outputs.close()
+        os.close(core_reads)
+        os.close(core_writes)
+        self._requests = Connection(server_writes, readable=False)
+        self._outputs = Connection(server_reads, writable=False)
+        self._requests.send(config)
         self._send_lock = threading.Lock()
         self._streams: dict[str, _StreamState] = {}
         self._streams_lock = threading.Lock()
@@ -148,12 +161,11 @@ class CoreProcess:
         try:
             kind, payload = self._outputs.recv()
         except EOFError:
-            self._process.join(5)
             raise RuntimeError(
-                f"the engine core exited while starting (exit code {self._process.exitcode})"
+                f"the engine core exited while starting (exit code {self._process.wait(5)})"
             ) from None
         if kind == "failed":
-            self._process.join(5)
+            self._process.wait(5)
             raise payload
         self._core_lines: list[str] = payload
         self._receiver = threading.Thread(
@@ -165,7 +177,7 @@ class CoreProcess:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._process.is_alive()
+        return self.error is None and self._process.poll() is None
 
     @property
     def num_running(self) -> int:
@@ -231,15 +243,14 @@ class CoreProcess:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        if self._process.is_alive():
+        if self._process.poll() is None:
             try:
                 self._send(("stop",))
-            except EngineDeadError:
-                pass
-            self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+                self._process.wait(timeout)
+            except (EngineDeadError, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait(5)
+        self._requests.close()
         self.front.close()
 
     # ---- the server's side of the pipes -----------------------------------------------------
@@ -272,10 +283,11 @@ class CoreProcess:
         except (EOFError, OSError):
             if self._stopping:
                 return
-            self._process.join(5)
-            self.error = EngineDeadError(
-                f"the engine core exited (exit code {self._process.exitcode})"
-            )
+            try:
+                code: int | str = self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                code = "none: it closed its pipe and runs on"
+            self.error = EngineDeadError(f"the engine core exited (exit code {code})")
         logger.error("%s", self.error)
         with self._streams_lock:
             request_ids = list(self._streams)
@@ -314,15 +326,19 @@ def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
 # ---- the core's process ---------------------------------------------------------------------
 
 
-def _run_core(
-    config: EngineConfig, requests: Connection, outputs: Connection, log_level: int
-) -> None:
-    """The child process: build the engine on this (main) thread, which then steps it (the
-    only thread that leads an OpenMP team, as in `AsyncEngine`), while a reader thread takes
-    requests in."""
-    from bulletserve.engine.factory import create_engine
-
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s core: %(message)s")
+def main() -> None:
+    """The core's process: its config from the requests pipe, then the engine built on this
+    (main) thread, which then steps it (the only thread that leads an OpenMP team, as in
+    `AsyncEngine`), while a reader thread takes requests in."""
+    parser = argparse.ArgumentParser(description="the engine core (started by bullet serve)")
+    parser.add_argument("--requests-fd", type=int, required=True)
+    parser.add_argument("--outputs-fd", type=int, required=True)
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s core: %(message)s")
+    requests = Connection(args.requests_fd, writable=False)
+    outputs = Connection(args.outputs_fd, readable=False)
+    config: EngineConfig = requests.recv()
     try:
         engine = create_engine(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which raises it
@@ -438,3 +454,11 @@ class Core:
             self._send(("faulted", request_id, f"{type(exc).__name__}: {exc}"))
             return
         self._wake.set()
+
+
+if __name__ == "__main__":
+    # Run from the module by its own name, so that what the core pickles (OutputDelta) names
+    # `bulletserve.engine.core_process`, not `__main__`, for the server to unpickle.
+    from bulletserve.engine import core_process
+
+    core_process.main()
