@@ -6,7 +6,9 @@ Stages, each printing rows of one table and writing JSON to --out:
   steps:  a dummy model's prefill and decode step latency at three splits, alone and co-running
   offline: LLM.generate per policy without the server, with CUDA graphs and --enforce-eager, with a
           torch.profiler table of the eager chunked run
-  bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks)
+  bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks),
+          and each server's decode busy share: of its step log's span, the time a step with
+          decode rows ran (the rest the device waited on the host, ran prompts alone, or idled)
 
 On a CPU (`--device cpu`) the same code runs with threads as units, which is how it is tested
 where no GPU is at hand.
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bulletserve.bookkeeping.record import decode_busy_share, read_step_log
 from bulletserve.partition import unit_provider
 from bulletserve.partition.measure import gemm_rate
 from bulletserve.profiling.steps import StepBench
@@ -296,6 +299,9 @@ def stage_bench(args, out: Path) -> list[dict]:
                 rows.append({"policy": label, "error": result.stderr.strip()[-300:]})
                 continue
             data = json.loads((out / f"bench-{label}.json").read_text())
+            # How much of the server's stepping the device spent decoding (both rates' runs
+            # in one log): what the host's time between steps leaves.
+            busy = decode_busy_share(read_step_log(out / f"steps-{label}.jsonl"))
             for run in data["runs"]:
                 s = run["summary"]
                 rows.append(
@@ -306,6 +312,7 @@ def stage_bench(args, out: Path) -> list[dict]:
                         "attain": s["slo"]["attainment"],
                         "p90_ttft_ms": s["ttft_ms"]["p90"],
                         "p90_tpot_ms": s["tpot_ms"]["p90"],
+                        "decode_busy": busy,
                     }
                 )
         finally:

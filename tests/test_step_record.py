@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bulletserve.bookkeeping.record import StepRecord, read_step_log, write_step
+from bulletserve.bookkeeping.record import StepRecord, decode_busy_share, read_step_log, write_step
 from bulletserve.perf.state import ExecutionState
 
 
@@ -60,3 +60,20 @@ def test_a_line_that_is_not_a_record_is_named(tmp_path):
     path.write_text("")
     with pytest.raises(ValueError, match="empty"):
         read_step_log(path)
+
+
+def _step(end: float, seconds: float, lane: str, decode_rows: int) -> StepRecord:
+    return StepRecord(end, lane, (1, 1), 1, 1, 0 if decode_rows else 64, decode_rows,
+                      ExecutionState(), seconds)  # fmt: skip
+
+
+def test_the_decode_busy_share_counts_overlapping_decode_steps_once():
+    records = [
+        _step(1.0, 1.0, "prefill", 0),  # 0-1 s: a prompt alone
+        _step(3.0, 1.0, "decode", 8),  # 2-3 s, after a gap of 1 s on the host
+        _step(3.5, 1.0, "hybrid", 4),  # 2.5-3.5 s, overlapping the last by 0.5 s
+        _step(5.0, 0.5, "decode", 8),  # 4.5-5 s
+    ]
+    assert decode_busy_share(records) == pytest.approx((1.5 + 0.5) / 5.0)
+    with pytest.raises(ValueError, match="empty step log"):
+        decode_busy_share([])

@@ -98,6 +98,22 @@ class StepRecord:
         )
 
 
+def decode_busy_share(records: list[StepRecord]) -> float:
+    """The share of the log's span (the first step's start to the last step's end) in which a
+    step computing decode rows ran: how much of the time the device was decoding rather than
+    waiting on the host, prompts alone, or idle. Overlapping steps count once."""
+    if not records:
+        raise ValueError("an empty step log has no span")
+    span = max(r.time for r in records) - min(r.started for r in records)
+    intervals = sorted((r.started, r.time) for r in records if r.decode_rows > 0)
+    busy, reached = 0.0, float("-inf")
+    for start, end in intervals:
+        if end > reached:
+            busy += end - max(start, reached)
+            reached = end
+    return busy / span if span > 0 else 0.0
+
+
 def write_step(handle: IO[str], record: StepRecord) -> None:
     """Append one line (the caller flushes: the engine per step, the simulator at the end)."""
     handle.write(json.dumps(record.to_json()) + "\n")
