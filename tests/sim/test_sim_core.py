@@ -94,6 +94,51 @@ def test_single_request_without_noise_matches_the_model(policy, chunk, host_term
     assert record.e2el_s - record.ttft_s == pytest.approx(sum(decode) + len(decode) * host)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(("policy", "chunk"), POLICIES)
+def test_the_host_time_given_is_charged_after_each_step_or_beside_it(policy, chunk, overlap):
+    """`--host-ms-per-step`/`--host-us-per-row` replace the profile's host terms (a GPU preset
+    has none); with `--host-overlap` a lone request's step takes the longer of the device's
+    time and the host's, else their sum."""
+    prompt, output, host = 400, 6, 2e-3 + 10e-3  # a step's host time: more than a decode's
+    config = _config(
+        policy,
+        chunk,
+        device_memory_gib=80.0,
+        dataset="random",
+        num_prompts=1,
+        request_rates=(float("inf"),),
+        random_lengths=RandomLengths(prompt, output),
+        noise=0.0,
+        host_s_per_step=2e-3,
+        host_s_per_row=10e-3,
+        host_overlap=overlap,
+    )
+    record = simulate(config).runs[0].requests[0]
+    perf = setup(config).perf
+    assert perf.host_s(1) == pytest.approx(host)
+    units = perf.hw.units
+    ttft = perf.predict(ExecutionState(prefill_lens=(prompt,), prefill_units=units)).prefill_s
+    decode = [
+        perf.predict(ExecutionState(decode_ctx=(prompt + k,), decode_units=units)).decode_s
+        for k in range(1, output)
+    ]
+    assert max(decode) < host < ttft  # so that overlap hides the host's time only at the prompt
+    if overlap:
+        assert record.ttft_s == pytest.approx(ttft, rel=1e-9)
+        assert record.e2el_s - record.ttft_s == pytest.approx(len(decode) * host)
+    else:
+        assert record.ttft_s == pytest.approx(ttft + host, rel=1e-9)
+        assert record.e2el_s - record.ttft_s == pytest.approx(sum(decode) + len(decode) * host)
+
+
+def test_host_settings_are_checked():
+    with pytest.raises(ValueError, match="host_s_per_row"):
+        _config("chunked", 512, host_s_per_row=-1e-6)
+    with pytest.raises(ValueError, match="--host-overlap with --device-slowdown"):
+        _config("chunked", 512, host_overlap=True, device_slowdown=2.0)
+
+
 @pytest.mark.parametrize(("policy", "chunk"), POLICIES)
 def test_conservation_under_preemption(policy, chunk):
     """A KV pool far too small for the load: requests are preempted and recomputed, yet every

@@ -135,6 +135,23 @@ def _add_device_args(
         "--device-memory-gib", type=float, help="device memory (default: the preset's datasheet)"
     )
     group.add_argument("--num-gpu-blocks-override", type=int, help="KV blocks, exactly")
+    group.add_argument(
+        "--host-ms-per-step",
+        type=float,
+        help="the engine's host time a step (default: the profile's; a GPU preset has none)",
+    )
+    group.add_argument(
+        "--host-us-per-row",
+        type=float,
+        help="the engine's host time a sampled row (default: the profile's; "
+        "scripts/engine_host_cost.py measures a host's)",
+    )
+    group.add_argument(
+        "--host-overlap",
+        action="store_true",
+        help="what-if: the host's time overlapped with the device's (a step takes the longer "
+        "of the two, not their sum), as an engine that plans a step while the last one runs",
+    )
 
 
 def _add_studies(studies: argparse._SubParsersAction) -> None:
@@ -269,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.bench.datasets import DatasetError, RandomLengths
     from bulletserve.bench.report import summary_table
     from bulletserve.cli.bench import _rates, _slo
-    from bulletserve.sim.benchmark import SimConfig, simulate
+    from bulletserve.sim.benchmark import SimConfig, host_settings, simulate
     from bulletserve.sim.hardware import SimSetupError
 
     if args.study:
@@ -308,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
             device_memory_gib=args.device_memory_gib,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             device_slowdown=args.device_slowdown,
+            **host_settings(args),
             service_classes=service_classes(args),
             send_priority=args.send_priority,
             send_slo=args.send_slo,

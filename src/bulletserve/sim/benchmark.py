@@ -3,12 +3,14 @@ the workload at each request rate, as `bullet bench` does against a server."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from bulletserve.bench.classes import WorkloadClass, assign_classes
 from bulletserve.bench.datasets import RandomLengths, load_lengths
@@ -66,6 +68,12 @@ class SimConfig(SchedulerConfig):
     # The modeled device runs this many times slower than the profile predicts (the policy
     # still believes the profile, and corrects itself online as the engine does).
     device_slowdown: float = 1.0
+    # The engine's host time around a step, where the profile's is to be replaced (a GPU
+    # preset has none): seconds a step and a sampled row (engine_host_cost.py measures them);
+    # and the what-if of that time overlapped with the device's (`sim.device.step_elapsed_s`).
+    host_s_per_step: float | None = None
+    host_s_per_row: float | None = None
+    host_overlap: bool = False
     # A mixed workload (as `bullet bench`'s): its classes, and whether requests ask for their
     # class's priority and SLO (else the run's `slo`).
     service_classes: tuple[WorkloadClass, ...] = ()
@@ -80,11 +88,29 @@ class SimConfig(SchedulerConfig):
                 f"--quantization must be one of {', '.join(WEIGHT_FORMAT_BITS)}, not "
                 f"{self.quantization!r}"
             )
+        for name in ("host_s_per_step", "host_s_per_row"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"the host's time ({name}) must be >= 0, not {value}")
+        if self.host_overlap and self.device_slowdown != 1.0:
+            raise ValueError(
+                "--host-overlap with --device-slowdown: the policy's online corrections learn "
+                "from the device's time, which an overlapped host hides"
+            )
         if self.send_priority and self.scheduling_policy == "fcfs":
             raise ValueError(
                 "--send-priority needs --scheduling-policy priority (a server that schedules "
                 "first come first served refuses a request's priority)"
             )
+
+
+def host_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """`bullet simulate`'s `--host-*` flags as SimConfig's fields (seconds)."""
+    return {
+        "host_s_per_step": None if args.host_ms_per_step is None else args.host_ms_per_step / 1e3,
+        "host_s_per_row": None if args.host_us_per_row is None else args.host_us_per_row / 1e6,
+        "host_overlap": args.host_overlap,
+    }
 
 
 @dataclass
@@ -103,6 +129,13 @@ class SimSetup:
 
 def setup(config: SimConfig) -> SimSetup:
     hw = load_hardware(config.hardware)
+    host = {
+        name: value
+        for name in ("host_s_per_step", "host_s_per_row")
+        if (value := getattr(config, name)) is not None
+    }
+    if host:
+        hw = dataclasses.replace(hw, calibration=dataclasses.replace(hw.calibration, **host))
     model = load_model_config(config.model)
     bits = WEIGHT_FORMAT_BITS.get(config.quantization or "")
     try:
@@ -215,9 +248,9 @@ def simulate_requests(
         raise SimSetupError(f"--device-slowdown must be a positive number, not {slowdown}")
     limits = (config.max_num_seqs, config.max_num_batched_tokens, slowdown)
     if isinstance(policy, BulletPolicy):
-        end = LanedSimulator(state, policy, env.perf, noise, *limits).run()
+        end = LanedSimulator(state, policy, env.perf, noise, *limits, config.host_overlap).run()
     else:
-        end = run_single_lane(state, policy, env.perf, noise, *limits)
+        end = run_single_lane(state, policy, env.perf, noise, *limits, config.host_overlap)
     if state.book.allocator.num_free != state.book.allocator.num_blocks:
         raise RuntimeError("KV blocks leaked: the pool is not empty after the run")
     duration = max(end, max(arrivals, default=0.0), 1e-9)

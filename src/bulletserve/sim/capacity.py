@@ -30,7 +30,13 @@ from bulletserve.bench.datasets import PAPER_SLOS, dataset_family, load_lengths 
 from bulletserve.sched import SchedulerConfig  # noqa: E402
 from bulletserve.sched.bullet import RULE_NAMES, BulletPolicy  # noqa: E402
 from bulletserve.sched.slo import SLO  # noqa: E402
-from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate_run  # noqa: E402
+from bulletserve.sim.benchmark import (  # noqa: E402
+    SimConfig,
+    host_settings,
+    make_sim_policy,
+    setup,
+    simulate_run,
+)
 from bulletserve.sim.defaults import CAPACITY_GRIDS, CAPACITY_TARGET  # noqa: E402
 from bulletserve.sim.hardware import SimSetupError  # noqa: E402
 
@@ -57,6 +63,9 @@ class Task:
     num_gpu_blocks_override: int | None = None
     device_memory_gib: float | None = None
     max_num_seqs: int = SchedulerConfig.max_num_seqs
+    host_s_per_step: float | None = None
+    host_s_per_row: float | None = None
+    host_overlap: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +129,9 @@ def walk(task: Task) -> dict[float, float]:
         num_gpu_blocks_override=task.num_gpu_blocks_override,
         device_memory_gib=task.device_memory_gib,
         max_num_seqs=task.max_num_seqs,
+        host_s_per_step=task.host_s_per_step,
+        host_s_per_row=task.host_s_per_row,
+        host_overlap=task.host_overlap,
     )
     env = setup(config)
     sim_policy = make_sim_policy(config, env)
@@ -264,6 +276,7 @@ def from_args(args: argparse.Namespace) -> int:
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
         "device_memory_gib": args.device_memory_gib,
         "max_num_seqs": args.max_num_seqs,
+        **host_settings(args),
     }
     grids = {w: args.rates or CAPACITY_GRIDS[w] for w in workloads}
     setup(SimConfig(hardware=args.hardware, model=args.model, **engine))  # checked once here

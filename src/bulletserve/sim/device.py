@@ -91,6 +91,14 @@ def time_single_step(
     return SingleTiming(es, predicted, predicted * noise.factor(), perf.host_s(sampled))
 
 
+def step_elapsed_s(device_s: float, host_s: float, host_overlap: bool) -> float:
+    """A step's time on the clock: the device's, then the engine's host time around it; with
+    `host_overlap` (a what-if: the host plans and prepares the next step, and hands this one's
+    tokens on, while the device runs) the longer of the two, the steady state of such a
+    pipeline."""
+    return max(device_s, host_s) if host_overlap else device_s + host_s
+
+
 @dataclass
 class Timing:
     """A step's progress on the modeled device: `work_left` is the share still to run at time
@@ -118,9 +126,15 @@ class ModeledLanes:
     lane steps with it."""
 
     def __init__(
-        self, core: LaneCore, perf: CachedPerfModel, noise: Noise, slowdown: float = 1.0
+        self,
+        core: LaneCore,
+        perf: CachedPerfModel,
+        noise: Noise,
+        slowdown: float = 1.0,
+        host_overlap: bool = False,
     ) -> None:
         self.core, self.perf, self.noise, self.slowdown = core, perf, noise, slowdown
+        self.host_overlap = host_overlap
         self.timing: dict[Lane, Timing | None] = dict.fromkeys(LANES)
 
     def start(self, step: LaneStep, now: float) -> None:
@@ -157,7 +171,9 @@ class ModeledLanes:
                 timing.busy_s += ran / timing.noise
             timing.since = now
             predicted = prediction.prefill_s if lane == "prefill" else prediction.decode_s
-            timing.duration = predicted * timing.noise + timing.host_s
+            timing.duration = step_elapsed_s(
+                predicted * timing.noise, timing.host_s, self.host_overlap
+            )
 
     def _sampled_rows(self, step: LaneStep) -> int:
         """Rows the step samples, for the engine's host time around it."""

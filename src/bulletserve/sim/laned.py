@@ -39,12 +39,13 @@ class LanedSimulator:
         max_num_seqs: int,
         max_prefill_tokens: int,
         slowdown: float = 1.0,
+        host_overlap: bool = False,
     ) -> None:
         self.state, self.perf, self.noise = state, perf, noise
         self.core: LaneCore[SimRequest] = LaneCore(
             state.book, policy, max_num_seqs, max_prefill_tokens
         )
-        self.device = ModeledLanes(self.core, perf, noise, slowdown)
+        self.device = ModeledLanes(self.core, perf, noise, slowdown, host_overlap)
         self.learns = slowdown != 1.0
         self.wake_at: dict[Lane, float | None] = dict.fromkeys(LANES)  # None: not waiting
         self.ready: set[Lane] = set(LANES)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bulletserve.bookkeeping.single import begin_single_step, end_single_step, scheduler_snapshot
 from bulletserve.sched.base import Policy
-from bulletserve.sim.device import CachedPerfModel, Noise, time_single_step
+from bulletserve.sim.device import CachedPerfModel, Noise, step_elapsed_s, time_single_step
 from bulletserve.sim.state import SimState
 
 
@@ -22,9 +22,11 @@ def run_single_lane(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     slowdown: float = 1.0,
+    host_overlap: bool = False,
 ) -> float:
     """Run every request to the end on a device `slowdown` times slower than the model
-    predicts; returns the simulated time the last one finished."""
+    predicts (the host's time around each step after it, or with `host_overlap` beside it:
+    `step_elapsed_s`); returns the simulated time the last one finished."""
     units = perf.hw.units
     now = 0.0
     while True:
@@ -42,7 +44,7 @@ def run_single_lane(
             continue
         timing = time_single_step(perf, noise, step, units, slowdown)
         end_single_step(state.book, step)
-        now += timing.measured_s + timing.host_s
+        now += step_elapsed_s(timing.measured_s, timing.host_s, host_overlap)
         for request in step.sampled():
             state.append_token(request, now)
         record = step.record(now, units, timing.state, timing.measured_s, timing.predicted_s)
