@@ -400,8 +400,12 @@ class Core:
         return OutputDelta.of(output, first)
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self.outputs.send(message)
+        try:
+            with self._send_lock:
+                self.outputs.send(message)
+        except OSError:  # the server's process has gone: stop too
+            self._stop.set()
+            self._wake.set()
 
     def _read(self) -> None:
         try:
