@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from bulletserve.engine.async_engine import stream_outputs
 from bulletserve.engine.request import RequestOutput, RequestTimings
+from bulletserve.engine.streams import stream_outputs
 
 
 def _output(tokens: list[int], new: int, finished: bool = False) -> RequestOutput:

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import HANDOFF_WAIT_S, EngineConfig, waits_for_handoff
@@ -20,6 +19,7 @@ from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.streams import StreamRegistry, stream_outputs
 from bulletserve.sched.slo import ServiceClass
 
 logger = logging.getLogger(__name__)
@@ -33,18 +33,11 @@ class StreamEndedError(RuntimeError):
     """The server ended the request's stream before the request finished (its shutdown)."""
 
 
-@dataclass
-class _Stream:
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-
-
 class AsyncEngine:
     """An `EngineClient` over an engine in this process, on its own thread."""
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
-        self._streams: dict[str, _Stream] = {}
-        self._streams_lock = threading.Lock()
+        self._streams = StreamRegistry()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -103,8 +96,7 @@ class AsyncEngine:
 
     @property
     def num_streams(self) -> int:
-        with self._streams_lock:
-            return len(self._streams)
+        return len(self._streams)
 
     async def generate(
         self,
@@ -121,11 +113,7 @@ class AsyncEngine:
             # A grammar to compile or words to tokenize: never on the event loop. Built before
             # the request exists, so a client that leaves meanwhile leaves nothing behind.
             decoding = await asyncio.to_thread(self.engine.front.decoding_state, params)
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = stream
+        queue = self._streams.open(request_id)
         finished = False
         try:
             # Checked after registering: a fault from here on reaches this stream.
@@ -135,12 +123,11 @@ class AsyncEngine:
                 prompt, params, request_id, arrival_time or time.monotonic(), service, decoding
             )
             self._wake.set()
-            async for item in stream_outputs(stream.queue):
+            async for item in stream_outputs(queue):
                 finished = item.finished
                 yield item
         finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
+            self._streams.close(request_id)
             if not finished:
                 self.engine.abort_request(request_id)
                 self._wake.set()
@@ -148,10 +135,7 @@ class AsyncEngine:
     def end_streams(self, message: str) -> None:
         """End every open stream with StreamEndedError(message), which aborts its request.
         Called on the event loop the streams were opened on."""
-        with self._streams_lock:
-            queues = [stream.queue for stream in self._streams.values()]
-        for queue in queues:
-            queue.put_nowait(StreamEndedError(message))
+        self._streams.end_all(StreamEndedError(message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -184,56 +168,10 @@ class AsyncEngine:
         writes a step's tokens while the next step computes, it preempts one thread of the
         compute team, and the whole team waits for that thread at every barrier. Waiting here
         keeps the two apart."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        with self._streams_lock:
-            for request_id, item in items:
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    batches.setdefault(stream.loop, []).append((stream.queue, item))
-        handled = []
-        wait = self.engine.life.acks_handoff
-        for loop, batch in batches.items():
-            done = threading.Event()
-            try:
-                loop.call_soon_threadsafe(_put_all, batch, done)
-            except RuntimeError:  # the loop has closed: nobody is listening any more
-                continue
-            if wait:
-                handled.append(done)
-        for done in handled:
-            done.wait(HANDOFF_WAIT_S)
+        handed = self._streams.hand_over(items)
+        if self.engine.life.acks_handoff:
+            for done in handed:
+                done.wait(HANDOFF_WAIT_S)
 
     def _fail_all(self, error: BaseException) -> None:
-        with self._streams_lock:
-            request_ids = list(self._streams)
-        self._deliver([(request_id, error) for request_id in request_ids])
-
-
-async def stream_outputs(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-    """A request's outputs from its stream's queue until the finished one; an exception in the
-    queue is raised in its turn. Outputs that queued up while the event loop was busy go out as
-    one (`RequestOutput.then`): a stream that falls behind the engine catches up in one chunk
-    instead of writing every step's."""
-    pending: BaseException | None = None
-    while pending is None:
-        item = await queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        while not item.finished and not queue.empty():
-            later = queue.get_nowait()
-            if isinstance(later, BaseException):
-                pending = later
-                break
-            item = item.then(later)
-        yield item
-        if item.finished:
-            return
-    raise pending
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, object]], done: threading.Event) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
-    # The ready queue is FIFO: `done` is set after every task these puts woke has run up to
-    # its next wait, i.e. has written its chunk to the socket.
-    asyncio.get_running_loop().call_soon(done.set)
+        self._deliver([(request_id, error) for request_id in self._streams.ids()])

@@ -21,7 +21,6 @@ turns `/health` to 503, as in-process.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import subprocess
@@ -33,13 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError, stream_outputs
+from bulletserve.engine.async_engine import EngineDeadError, StreamEndedError
 from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.factory import create_engine
 from bulletserve.engine.request import RequestOutput, RequestTimings, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
+from bulletserve.engine.streams import StreamRegistry, stream_outputs
 from bulletserve.sched.slo import ServiceClass
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,9 @@ class OutputDelta:
 
 
 @dataclass
-class _StreamState:
-    """A request's stream in the server's process: its outputs so far, rebuilt from deltas."""
+class _Accumulated:
+    """A request's output in the server's process so far, rebuilt from its deltas."""
 
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
     prompt: str | None
     prompt_ids: list[int]
     text: str = ""
@@ -150,8 +148,8 @@ class CoreProcess:
         self._outputs = Connection(server_reads, writable=False)
         self._requests.send(config)
         self._send_lock = threading.Lock()
-        self._streams: dict[str, _StreamState] = {}
-        self._streams_lock = threading.Lock()
+        self._streams = StreamRegistry()
+        self._outputs_so_far: dict[str, _Accumulated] = {}  # by request id, while streamed
         self._stats = EngineStats()
         self.error: BaseException | None = None
         self._stopping = False
@@ -185,8 +183,7 @@ class CoreProcess:
 
     @property
     def num_streams(self) -> int:
-        with self._streams_lock:
-            return len(self._streams)
+        return len(self._streams)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -210,23 +207,20 @@ class CoreProcess:
         last one finished; ValueError (bad input, as the core found it) before the first."""
         prompt_ids = self.front.tokenize(prompt)
         text = prompt if isinstance(prompt, str) else None
-        stream = _StreamState(asyncio.Queue(), asyncio.get_running_loop(), text, prompt_ids)
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            self._streams[request_id] = stream
+        queue = self._streams.open(request_id)
+        self._outputs_so_far[request_id] = _Accumulated(text, prompt_ids)
         finished = False
         try:
             if not self.healthy:
                 raise EngineDeadError(f"the engine core has failed: {self.error!r}")
             arrival = arrival_time or time.monotonic()
             self._send(("add", request_id, prompt_ids, params, service, arrival))
-            async for item in stream_outputs(stream.queue):
+            async for item in stream_outputs(queue):
                 finished = item.finished
                 yield item
         finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
+            self._streams.close(request_id)
+            self._outputs_so_far.pop(request_id, None)
             if not finished and self.healthy:
                 try:
                     self._send(("abort", request_id))
@@ -236,10 +230,7 @@ class CoreProcess:
     def end_streams(self, message: str) -> None:
         """End every open stream with StreamEndedError(message), which aborts its request.
         Called on the event loop the streams were opened on."""
-        with self._streams_lock:
-            queues = [stream.queue for stream in self._streams.values()]
-        for queue in queues:
-            queue.put_nowait(StreamEndedError(message))
+        self._streams.end_all(StreamEndedError(message))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -273,10 +264,11 @@ class CoreProcess:
                     self._stats = payload[0]
                 elif kind == "rejected":
                     request_id, message = payload
-                    self._to_stream(request_id, ValueError(message))
+                    self._streams.hand_over([(request_id, ValueError(message))])
                 elif kind == "faulted":
                     request_id, message = payload
-                    self._to_stream(request_id, EngineDeadError(f"request {request_id}: {message}"))
+                    error = EngineDeadError(f"request {request_id}: {message}")
+                    self._streams.hand_over([(request_id, error)])
                 elif kind == "dead":
                     self.error = EngineDeadError(f"engine fault: {payload[0]}")
                     break
@@ -289,38 +281,17 @@ class CoreProcess:
                 code = "none: it closed its pipe and runs on"
             self.error = EngineDeadError(f"the engine core exited (exit code {code})")
         logger.error("%s", self.error)
-        with self._streams_lock:
-            request_ids = list(self._streams)
-        for request_id in request_ids:
-            self._to_stream(request_id, self.error)
+        self._streams.hand_over([(request_id, self.error) for request_id in self._streams.ids()])
 
     def _deliver(self, deltas: list[OutputDelta]) -> None:
-        """A step's outputs to their streams, one wake-up per event loop."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        with self._streams_lock:
-            for delta in deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is not None:
-                    batches.setdefault(stream.loop, []).append((stream.queue, stream.apply(delta)))
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # the loop has closed: nobody is listening any more
-                continue
-
-    def _to_stream(self, request_id: str, item: BaseException) -> None:
-        with self._streams_lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-            except RuntimeError:
-                pass
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
+        """A step's outputs to their streams (one wake-up per event loop): each stream's output
+        rebuilt from its delta; the core runs on meanwhile."""
+        items = []
+        for delta in deltas:
+            so_far = self._outputs_so_far.get(delta.request_id)
+            if so_far is not None:
+                items.append((delta.request_id, so_far.apply(delta)))
+        self._streams.hand_over(items)
 
 
 # ---- the core's process ---------------------------------------------------------------------
@@ -362,6 +333,9 @@ class Core:
         self._stop = threading.Event()
         self._started: set[str] = set()  # requests whose first output went out
         self._decoding = ThreadPoolExecutor(DECODING_WORKERS, thread_name_prefix="decoding")
+        # Requests whose decoding state is being built -> whether an abort came meanwhile.
+        self._preparing: dict[str, bool] = {}
+        self._preparing_lock = threading.Lock()
 
     def run(self) -> None:
         self._send(("ready", self.engine.describe()))
@@ -411,9 +385,18 @@ class Core:
         try:
             while True:
                 kind, *payload = self.requests.recv()
-                if kind == "add":
+                if kind == "add" and DecodingState.needs_work_off_loop(payload[2]):
+                    # A grammar to compile or words to tokenize: beside the loop, not in its way.
+                    with self._preparing_lock:
+                        self._preparing[payload[0]] = False
+                    self._decoding.submit(self._add, *payload)
+                elif kind == "add":
                     self._add(*payload)
                 elif kind == "abort":
+                    with self._preparing_lock:
+                        if payload[0] in self._preparing:  # not added yet: never will be
+                            self._preparing[payload[0]] = True
+                            continue
                     self.engine.abort_request(payload[0])
                     self._wake.set()
                 elif kind == "stop":
@@ -431,24 +414,16 @@ class Core:
         service: ServiceClass,
         arrival: float,
     ) -> None:
-        if DecodingState.needs_work_off_loop(params):
-            # A grammar to compile or words to tokenize: beside the loop, not in its way.
-            self._decoding.submit(self._add_now, request_id, prompt_ids, params, service, arrival)
-        else:
-            self._add_now(request_id, prompt_ids, params, service, arrival)
-
-    def _add_now(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        service: ServiceClass,
-        arrival: float,
-    ) -> None:
         try:
             decoding = None
             if DecodingState.needs_work_off_loop(params):
-                decoding = self.engine.front.decoding_state(params)
+                try:
+                    decoding = self.engine.front.decoding_state(params)
+                finally:
+                    with self._preparing_lock:
+                        aborted = self._preparing.pop(request_id, False)
+                if aborted:  # its client left meanwhile
+                    return
             self.engine.add_request(prompt_ids, params, request_id, arrival, service, decoding)
         except ValueError as exc:
             self._send(("rejected", request_id, str(exc)))
