@@ -17,6 +17,7 @@ schema (a string of at least 400 characters, so that no row's structure ends wit
 `--constraints penalties` gives every row presence, frequency and repetition penalties and a
 logit bias: the per-step cost of what requests ask of their logits. `--breakdown` also profiles
 the decode steps of the largest batch (cProfile) and prints where an engine step's time goes.
+`--async-scheduling` runs the engine so (a step then reads back the one before it).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ PARTS = {
     "runner: embed + layers": ("model/decoder.py", "run_layers"),
     "runner: LM head": ("engine/model_runner.py", "logits"),
     "book: end of step": ("bookkeeping/single.py", "end_single_step"),
-    "sampler": ("engine/sampler.py", "sample"),
+    "sampler: draw": ("engine/sampler.py", "draw"),
+    "sampler: read back": ("engine/sampler.py", "read"),
     "tokens: detokenize, stops": ("engine/life.py", "append_token"),
     "outputs": ("engine/life.py", "output"),
 }
@@ -70,6 +72,7 @@ def measure(
     load_format: str,
     profile: cProfile.Profile | None = None,
     constraint: str = "none",
+    async_scheduling: bool = False,
 ) -> tuple[float, float]:
     """(median engine step seconds, median runner seconds) of full-batch decode steps; with
     `profile`, the decode steps after the first five run under it."""
@@ -80,14 +83,15 @@ def measure(
         max_model_len=1024,
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, 64 * batch),
+        async_scheduling=async_scheduling,
     ).engine
     vocab = engine.model_config.vocab_size
     runner_times: list[tuple[int, float]] = []
     execute = engine.runner.execute
 
-    def timed(works, out=None):
+    def timed(works, out=None, **kwargs):
         start = time.perf_counter()
-        result = execute(works, out)
+        result = execute(works, out, **kwargs)
         runner_times.append((len(works), time.perf_counter() - start))
         return result
 
@@ -97,17 +101,20 @@ def measure(
     )
     for i in range(batch):
         engine.add_request([(i * 31 + j * 7) % (vocab - 5) + 5 for j in range(64)], params)
-    steps = []
+    decode = []  # (step seconds, runner seconds) of the steps that ran the whole batch
     while engine.has_unfinished():
-        profiling = profile is not None and len(steps) > 10  # decode steps, past the first
+        profiling = profile is not None and len(decode) > 10  # decode steps, past the first
         if profiling:
             profile.enable()
+        calls = len(runner_times)
         start = time.perf_counter()
         engine.step()
-        steps.append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
         if profiling:
             profile.disable()
-    decode = [(s, r) for s, (n, r) in zip(steps, runner_times, strict=True) if n == batch][5:]
+        if len(runner_times) == calls + 1 and runner_times[-1][0] == batch:
+            decode.append((seconds, runner_times[-1][1]))
+    decode = decode[5:]
     return statistics.median(s for s, _ in decode), statistics.median(r for _, r in decode)
 
 
@@ -123,6 +130,12 @@ def main() -> None:
         "--constraints",
         default="none",
         help=f"comma-separated, of {', '.join(CONSTRAINTS)}: each batch size is run under each",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine's --async-scheduling: each step planned and launched before the last "
+        "one's tokens are read back (on a CPU, the same work in another order)",
     )
     args = parser.parse_args()
     constraints = args.constraints.split(",")
@@ -143,6 +156,7 @@ def main() -> None:
                 args.load_format,
                 profile if batch == max(batches) and constraint == constraints[-1] else None,
                 constraint,
+                args.async_scheduling,
             )
             times = f"{step * 1e3:.2f} | {runner * 1e3:.2f} | {(step - runner) * 1e3:.2f}"
             print(f"| {batch} | {constraint} | {times} |")

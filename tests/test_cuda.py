@@ -5,6 +5,7 @@ Skipped where CUDA is absent (CI); `scripts/device_check.sh` runs them on a GPU.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -137,6 +138,36 @@ def test_decode_graphs_replay_the_eager_greedy_tokens(tiny_llama_dir, reference)
     outputs = llm.generate(random_prompts(12, seed=21), GREEDY)
     assert [o.token_ids for o in outputs] == reference
     assert len(graphs._graphs) == captured  # no request waited for a capture
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"policy": "chunked"},
+        {"policy": "prefill-first", "enforce_eager": True},
+        {"policy": "chunked", "logprobs": True},
+    ],
+    ids=["graphs", "eager", "logprobs"],
+)
+def test_async_scheduling_on_the_gpu_equals_the_serial_steps(
+    tiny_llama_dir, reference, settings, tmp_path
+):
+    """Steps launched before the last one's tokens are on the host (fed from its draw on the
+    device, read back through pinned memory), the step log timed by events."""
+    from bulletserve.bookkeeping.record import read_step_log
+
+    settings = dict(settings)
+    params = GREEDY
+    if settings.pop("logprobs", False):
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    log = tmp_path / "steps.jsonl"
+    llm = _cuda_llm(tiny_llama_dir, async_scheduling=True, step_log=str(log), **settings)
+    outputs = llm.generate(random_prompts(12, seed=21), params)
+    assert [o.token_ids for o in outputs] == reference
+    assert llm.engine.pool.allocator.num_used == 0
+    records = read_step_log(log)
+    assert records and all(0 < r.measured_s < 5 for r in records)
+    assert all(a.started <= b.started for a, b in itertools.pairwise(records))
 
 
 def test_greedy_tokens_on_the_gpu_equal_the_cpus(tiny_llama_dir, reference):

@@ -1,7 +1,8 @@
 """The engine core in a process of its own (`--engine-core process`) behind the real server:
 the same greedy outputs as the in-process engine (streamed and whole, logprobs rebuilt from the
-deltas), bad input refused as a 400, a client that leaves frees its blocks, and a core that
-dies ends every open stream with an error event and turns /health to 503."""
+deltas; and so under --async-scheduling), bad input refused as a 400, a client that leaves
+frees its blocks, and a core that dies ends every open stream with an error event and turns
+/health to 503."""
 
 from __future__ import annotations
 
@@ -67,15 +68,17 @@ def _per_choice(parts: list[tuple[int, str, dict | None]]) -> dict:
     return choices
 
 
-def test_the_core_process_answers_as_the_engine_in_process_does(core):
+@pytest.fixture(scope="module")
+def in_process_answers():
     in_process = tiny_engine()
     try:
         with running_app(in_process) as url:
-            expected = _answers(url)
+            return _answers(url)
     finally:
         in_process.shutdown()
-    with running_app(core) as url:
-        answers = _answers(url)
+
+
+def _assert_same_answers(answers: list[dict], expected: list[dict]) -> None:
     for got, want in zip(answers, expected, strict=True):
         assert got.keys() == want.keys()
         for index, (text, tokens, logprobs) in got.items():
@@ -83,7 +86,21 @@ def test_the_core_process_answers_as_the_engine_in_process_does(core):
             # A row's logits may move in their last bits with the rows beside it in a step,
             # and the two engines' steps group the choices as their timing falls.
             assert logprobs == pytest.approx(want[index][2], abs=1e-4)
+
+
+def test_the_core_process_answers_as_the_engine_in_process_does(core, in_process_answers):
+    with running_app(core) as url:
+        _assert_same_answers(_answers(url), in_process_answers)
     assert core.describe()[-1].startswith("engine: its own process (pid ")
+
+
+def test_a_core_under_async_scheduling_answers_as_the_serial_engine_does(in_process_answers):
+    overlapped = CoreProcess(EngineConfig(model="tiny", load_format="dummy", async_scheduling=True))
+    try:
+        with running_app(overlapped) as url:
+            _assert_same_answers(_answers(url), in_process_answers)
+    finally:
+        overlapped.shutdown()
 
 
 def test_bad_input_found_by_the_core_is_a_value_error_before_any_output(core):

@@ -139,6 +139,16 @@ def test_the_startup_block_says_what_runs():
     assert waits_for_handoff("cpu") and not waits_for_handoff("cuda")
 
 
+def test_the_startup_block_says_when_steps_overlap():
+    engine = tiny_engine(policy="chunked", async_scheduling=True)
+    try:
+        policy = next(line for line in engine.describe() if line.startswith("policy: "))
+    finally:
+        engine.shutdown()
+    assert "planned and launched while the last runs (--async-scheduling)" in policy
+    assert "on a CPU overlaps nothing" in policy
+
+
 def test_the_stats_line_reports_an_interval_and_stays_quiet_while_idle():
     from bulletserve.engine.client import EngineStats
     from bulletserve.server.stats_log import StatsLog

@@ -4,6 +4,7 @@ rows are prompt chunks and which decode rows, and after the step the computed to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic
 
@@ -106,8 +107,14 @@ def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
     return step
 
 
-def end_single_step(book: RequestBook[E], step: SingleStep[E]) -> None:
-    """Count the tokens the step computed and cache the blocks they filled."""
+def end_single_step(
+    book: RequestBook[E], step: SingleStep[E], is_finished: Callable[[E], bool] = lambda _: False
+) -> None:
+    """Count the tokens the step computed and cache the blocks they filled; a request that
+    ended while the step ran (`is_finished`: under the engine's --async-scheduling) is left
+    alone, its blocks already freed."""
     for request, num in step.batch:
+        if is_finished(request):
+            continue
         request.num_computed_tokens += num
         book.cache_computed(request)

@@ -50,6 +50,8 @@ class EngineConfig(SchedulerConfig):
     num_threads: int | None = None  # CPU intra-op threads (a rank's); default: its share of cores
     tensor_parallel_size: int = 1  # ranks the weights and KV heads are sharded over
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly, not as CUDA graphs
+    # Plan and launch each step while the last one runs (engine/single_lane.py); one lane only.
+    async_scheduling: bool = False
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # The SLO the bullet policy schedules for (and /metrics counts attainment against).
     slo_ttft_per_token_ms: float = 3.0
@@ -91,6 +93,16 @@ class EngineConfig(SchedulerConfig):
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
+        if self.async_scheduling and self.policy == "bullet":
+            raise ValueError(
+                "--async-scheduling runs the one-lane policies (chunked, prefill-first); "
+                "Bullet's two lanes do not overlap their steps with the host's planning yet"
+            )
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--async-scheduling is not built for --tensor-parallel-size > 1: the other "
+                "ranks are sent each step's tokens, and a step's tokens are not on the host yet"
+            )
 
     @property
     def grammar_limits(self) -> GrammarLimits:
@@ -301,6 +313,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on CUDA, run decode steps eagerly; by default they replay as CUDA graphs, one per "
         "batch bucket and SM group",
+    )
+    group.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plan and launch each step while the last one still runs on the device, its "
+        "tokens read back after (vLLM's flag; --policy chunked or prefill-first). On a GPU the "
+        "host's work between steps hides behind the device's; a CPU computes as it launches, "
+        "so there it overlaps nothing",
     )
     grammar = parser.add_argument_group("structured outputs")
     grammar.add_argument(

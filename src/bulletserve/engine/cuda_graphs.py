@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bulletserve.engine.model_runner import SeqWork, block_tables
+from bulletserve.engine.model_runner import FedTokens, SeqWork, block_tables
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.attention import AttentionMetadata, DecodeKernel
 from bulletserve.model.decoder import DecoderLM
@@ -91,6 +91,8 @@ class PaddedDecode:
         tables = block_tables([w.block_table for w in works], [s + 1 for s in starts], block_size)
         padded = torch.zeros(self.batch, tables.shape[1], dtype=torch.int32)
         padded[:n] = tables
+        # From pinned memory, so that the copies queue behind a step in flight, not wait for it.
+        host, padded = host.pin_memory(), padded.pin_memory()
         self.input_ids.copy_(host[0], non_blocking=True)
         self.positions.copy_(host[1], non_blocking=True)
         self.slot_mapping.copy_(host[2], non_blocking=True)
@@ -191,14 +193,17 @@ class DecodeGraphs:
             if (stream, batch) not in self._graphs:
                 self._capture((stream, batch))
 
-    def run(self, works: list[SeqWork]) -> torch.Tensor:
-        """fp32 logits of `works` (rows in order), valid until the next call."""
+    def run(self, works: list[SeqWork], fed: FedTokens | None = None) -> torch.Tensor:
+        """fp32 logits of `works` (rows in order), valid until the next call; `fed`: input
+        tokens from the last step's draw."""
         key = (
             torch.cuda.current_stream(self.device).cuda_stream,
             bucket(len(works), self.batch_buckets),
         )
         entry = self._graphs.get(key) or self._capture(key)
         entry.inputs.fill(works, self.pool.block_size)
+        if fed is not None:
+            fed.write(entry.inputs.input_ids, fed.rows)
         entry.graph.replay()
         return entry.logits[: len(works)]
 

@@ -291,6 +291,10 @@ class LLMEngine:
                 f" (partition {config.partition}; SLO TTFT {slo.ttft_per_token_ms:g} ms a prompt "
                 f"token + {slo.ttft_base_ms:g} ms, TPOT {slo.tpot_ms:g} ms; profile {profile})"
             )
+        if config.async_scheduling:
+            policy += "; each step planned and launched while the last runs (--async-scheduling)"
+            if self.device.type == "cpu":
+                policy += ", which on a CPU overlaps nothing: it computes as it launches"
         return [
             f"model: {self.source.name} ({self.source.load_format})",
             f"dtype: {str(self.dtype).removeprefix('torch.')}; device: {where}",

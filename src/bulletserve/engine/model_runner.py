@@ -94,6 +94,33 @@ class StepBatch:
     sampling_order: list[int]  # index into the given works, per logits row
     # (index into the given works, its first row) of the works that want prompt logprobs.
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    query_starts: list[int] = field(default_factory=list)  # each given work's first row
+
+
+@dataclass
+class FedTokens:
+    """Input tokens a step takes from the step before it where that step drew them (on the
+    device), not from the host: work `rows[i]`'s one token is `drawn[picks[i]]`
+    (--async-scheduling: the step was planned and launched before the host saw those tokens)."""
+
+    rows: list[int]
+    drawn: torch.Tensor
+    picks: list[int]
+
+    def write(self, input_ids: torch.Tensor, at: list[int]) -> None:
+        """Write the fed tokens into `input_ids` at rows `at` (the works' rows there)."""
+        device = input_ids.device
+        picks = _upload(torch.tensor(self.picks), device)
+        tokens = self.drawn.index_select(0, picks).to(input_ids.dtype)
+        input_ids.index_copy_(0, _upload(torch.tensor(at), device), tokens)
+
+
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, behind the stream's work
+    rather than waiting for it (a pageable copy would wait for the step in flight)."""
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -239,6 +266,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampling_order: list[int] = []
         prompt_rows: list[tuple[int, int]] = []
+        query_starts = [0] * len(works)
         # A decode row's position and KV slot are plain integers, gathered into one tensor each
         # (per-row tensor ops cost more than the tiny model's layers at hundreds of rows).
         decode_positions: list[int] = []
@@ -249,6 +277,7 @@ class ModelRunner:
             query_len = len(work.token_ids)
             end = work.start + query_len
             query_start = len(input_ids)
+            query_starts[index] = query_start
             input_ids.extend(work.token_ids)
             if query_len == 1:
                 decode_positions.append(work.start)
@@ -258,10 +287,10 @@ class ModelRunner:
                 slot_mapping.append(self._slots(work.block_table, work.start, end))
                 context_slots = mask = None
                 if work.start > 0 and self.prefill_kernel is None:
-                    context_slots = self._slots(work.block_table, 0, end).to(self.device)
+                    context_slots = self._upload(self._slots(work.block_table, 0, end))
                     keys = torch.arange(end)
                     queries = torch.arange(work.start, end)
-                    mask = (keys.unsqueeze(0) <= queries.unsqueeze(1)).to(self.device)
+                    mask = self._upload(keys.unsqueeze(0) <= queries.unsqueeze(1))
                 spans.append(PrefillSpan(query_start, query_len, work.start, context_slots, mask))
             if work.samples:
                 logits_rows.append(query_start + query_len - 1)
@@ -286,9 +315,9 @@ class ModelRunner:
             decode_fields = self._decode_fields([works[i] for i in decodes])
         if prefills and self.prefill_kernel is not None:
             decode_fields.update(self._prefill_fields([works[i] for i in prefills], spans))
-        to = self.device
+        upload = self._upload
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping).to(to),
+            slot_mapping=upload(torch.cat(slot_mapping)),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
             num_tokens=num_tokens,
@@ -296,31 +325,39 @@ class ModelRunner:
             **decode_fields,
         )
         return StepBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=to),
-            positions=torch.cat(positions).to(to),
+            input_ids=upload(torch.tensor(input_ids, dtype=torch.long)),
+            positions=upload(torch.cat(positions)),
             meta=meta,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=to),
+            logits_rows=upload(torch.tensor(logits_rows, dtype=torch.long)),
             sampling_order=sampling_order,
             prompt_rows=prompt_rows,
+            query_starts=query_starts,
         )
+
+    def _upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _upload(tensor, self.device)
 
     def _prefill_fields(self, works: list[SeqWork], spans: list[PrefillSpan]) -> dict:
         """Attention metadata of the prefilling sequences for our CPU kernel."""
         return {
             "prefill_kernel": self.prefill_kernel,
-            "prefill_block_tables": block_tables(
-                [w.block_table for w in works],
-                [w.start + len(w.token_ids) for w in works],
-                self.block_size,
-            ).to(self.device),
-            "prefill_spans": torch.tensor(
-                [
-                    [span.query_start for span in spans],
-                    [span.query_len for span in spans],
-                    [span.cached_len for span in spans],
-                ],
-                dtype=torch.int32,
-            ).to(self.device),
+            "prefill_block_tables": self._upload(
+                block_tables(
+                    [w.block_table for w in works],
+                    [w.start + len(w.token_ids) for w in works],
+                    self.block_size,
+                )
+            ),
+            "prefill_spans": self._upload(
+                torch.tensor(
+                    [
+                        [span.query_start for span in spans],
+                        [span.query_len for span in spans],
+                        [span.cached_len for span in spans],
+                    ],
+                    dtype=torch.int32,
+                )
+            ),
             "block_size": self.block_size,
         }
 
@@ -331,14 +368,14 @@ class ModelRunner:
         if self.decode_kernel is not None:
             return {
                 "decode_kernel": self.decode_kernel,
-                "decode_block_tables": tables.to(self.device),
-                "decode_context_lens": torch.tensor(contexts, dtype=torch.int32).to(self.device),
+                "decode_block_tables": self._upload(tables),
+                "decode_context_lens": self._upload(torch.tensor(contexts, dtype=torch.int32)),
                 "block_size": self.block_size,
             }
         slots, valid = context_slots(tables, contexts, self.block_size, max(contexts))
         return {
-            "decode_slots": slots.to(self.device),
-            "decode_mask": valid[:, None, None, :].to(self.device),
+            "decode_slots": self._upload(slots),
+            "decode_mask": self._upload(valid[:, None, None, :]),
         }
 
     @torch.inference_mode()
@@ -348,18 +385,24 @@ class ModelRunner:
         out: LogitsBuffer | None = None,
         channel: Channel = "decode",
         placement: Placement = EVERY_UNIT,
+        fed: FedTokens | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Run one step; return fp32 logits for sampling sequences (in `out`'s memory, if
         given) and their indices in `works`. `channel` and `placement`: the lane it runs for
-        and where, as the other ranks are told."""
+        and where, as the other ranks are told; `fed`: inputs taken from the last step's draw
+        (one rank only: the other ranks are told the works, not the draw)."""
         if (
             self.graphs is not None
             and self.graphs.fits(works)
             and not any(w.prompt_targets for w in works)  # a one-token chunk of a prompt
         ):
-            return self.graphs.run(works), list(range(len(works)))
+            return self.graphs.run(works, fed), list(range(len(works)))
+        if fed is not None and self.tp.shard.size > 1:
+            raise RuntimeError("fed inputs (--async-scheduling) under tensor parallelism")
         self.tp.announce(channel, RunStep(works, placement))
         batch = self.prepare(works)
+        if fed is not None:
+            fed.write(batch.input_ids, [batch.query_starts[i] for i in fed.rows])
         with self.tp.on(channel):
             hidden = self.model.embed(batch.input_ids)
             hidden = self.model.run_layers(hidden, batch.positions, self.pool.layers, batch.meta)

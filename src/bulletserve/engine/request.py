@@ -16,6 +16,10 @@ from bulletserve.sched.slo import ServiceClass
 # grammar and allowed_token_ids with nothing in common, say); the request ends with finish
 # reason "error" and the server answers 400.
 NO_TOKEN = -1
+# The input id of a token a step in flight is still drawing on the device (`Request.pending`):
+# the executor feeds the drawn id in on the device; an id that reached the model unfed fails
+# the embedding's lookup rather than computing a wrong token.
+PENDING_TOKEN = -2
 UNSATISFIABLE = "error"
 # The finish reason of a request whose own handling failed (logged); the engine serves on.
 FAULT = "fault"
@@ -75,6 +79,9 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prefix_root: int = field(init=False, default=0)  # its prefix keys' root (its cache salt's)
     service: ServiceClass = ServiceClass()  # its priority and SLO (the server's filled in)
+    # Whether its next token is being drawn by a step in flight (--async-scheduling): counted
+    # in its tokens, so that the next step is planned with it, but not yet in its output.
+    pending: bool = False
 
     def __post_init__(self) -> None:
         self.prefix_root = salt_root(self.params.cache_salt)
@@ -101,14 +108,16 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.pending
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
+        """Tokens [start, end) of prompt + output (a pending token as PENDING_TOKEN)."""
+        if self.pending and start < end == self.num_tokens:
+            return [*self.token_ids(start, end - 1), PENDING_TOKEN]
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]

@@ -10,6 +10,8 @@ temperature 1 and 950 ms with top-p, more than an H200's whole decode step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bulletserve.engine.logits import process_logits, wants_processing
@@ -33,11 +35,20 @@ class Sampler:
     def new_request_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device="cpu").manual_seed(seed)
 
-    @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, requests: list[Request], stop_ids: list[frozenset[int]]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """One token per row of `logits` ([N, V], on any device) for the matching request.
+        """One token per row of `logits` ([N, V], on any device) for the matching request
+        (`draw`, read back at once)."""
+        return self.draw(logits, requests, stop_ids).read()
+
+    @torch.inference_mode()
+    def draw(
+        self, logits: torch.Tensor, requests: list[Request], stop_ids: list[frozenset[int]]
+    ) -> Draw:
+        """Draw one token per row of `logits` ([N, V], on any device) for the matching request,
+        where the logits are; the host reads the tokens back later (`Draw.read`), so that a GPU
+        may run the next step first. `logits` may be overwritten once this returns.
 
         `stop_ids[i]` are masked out while request i is below its `min_tokens` (not for a row
         held to a grammar, which decides itself when the output may end).
@@ -53,7 +64,7 @@ class Sampler:
         on_kernel = self._kernel is not None and logits.device.type == "cpu"
         plain = all(r.params.greedy and r.params.logprobs is None for r in requests)
         if plain and not masked and not processed and not on_kernel:
-            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+            return Draw(logits.argmax(dim=-1))
         original = logits
         logits = logits.float()
         if (masked or processed) and logits.data_ptr() == original.data_ptr():
@@ -80,15 +91,86 @@ class Sampler:
                 tokens[redo] = _drawn(logits[redo], [requests[i] for i in redo], uniforms[redo])
         else:
             tokens = _drawn(logits, requests, uniforms.to(logits.device))
-        token_list = tokens.tolist()
-        logprobs = _logprobs(logits, requests, tokens, token_list)
+        draw = Draw(tokens, _logprobs(logits, requests, tokens))
         if processed:
             # Only a row with every logit masked draws a token whose logit is -inf.
             rows = torch.tensor(processed, device=logits.device)
-            chosen = logits[rows, tokens[rows]]
-            for row in rows[torch.isneginf(chosen)].tolist():
+            draw.unsatisfiable = rows[torch.isneginf(logits[rows, tokens[rows]])]
+        return draw
+
+
+@dataclass
+class LogprobRows:
+    """The logprobs of a draw's rows that asked for them, where the logits are: each row's
+    sampled token's and its `most` best (for `wanted[i]` of them)."""
+
+    rows: list[int]
+    wanted: list[int]
+    chosen: torch.Tensor  # [rows]
+    top_values: torch.Tensor | None  # [rows, most]
+    top_ids: torch.Tensor | None
+
+
+@dataclass
+class Draw:
+    """A step's drawn tokens, where the logits were, until the host reads them back."""
+
+    tokens: torch.Tensor  # [rows]
+    logprobs: LogprobRows | None = None
+    unsatisfiable: torch.Tensor | None = None  # rows whose constraints left no token
+    # On a GPU, after `copy_back`: the same in pinned host memory, and the event after the copy.
+    on_host: Draw | None = None
+    copied: torch.cuda.Event | None = None
+
+    def copy_back(self) -> None:
+        """On a GPU, start copying the draw to the host behind the kernels that drew it, so
+        that `read` waits for this draw alone, not for the steps launched after it; `tokens`
+        stay on the device, for the next step to take its inputs from."""
+        if self.tokens.device.type != "cuda":
+            return
+        asked = self.logprobs
+        self.on_host = Draw(
+            _pinned_copy(self.tokens),
+            None
+            if asked is None
+            else LogprobRows(
+                asked.rows,
+                asked.wanted,
+                _pinned_copy(asked.chosen),
+                None if asked.top_values is None else _pinned_copy(asked.top_values),
+                None if asked.top_ids is None else _pinned_copy(asked.top_ids),
+            ),
+            None if self.unsatisfiable is None else _pinned_copy(self.unsatisfiable),
+        )
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The tokens on the host (waiting for the device where they are not there yet), and
+        each row's logprobs where it asked for them."""
+        if self.on_host is not None:
+            assert self.copied is not None
+            self.copied.synchronize()
+            return self.on_host.read()
+        token_list = self.tokens.tolist()
+        results: list[TokenLogprob | None] = [None] * len(token_list)
+        if self.logprobs is not None:
+            asked = self.logprobs
+            chosen = asked.chosen.tolist()
+            values = asked.top_values.tolist() if asked.top_values is not None else None
+            ids = asked.top_ids.tolist() if asked.top_ids is not None else None
+            for k, (row, wanted) in enumerate(zip(asked.rows, asked.wanted, strict=True)):
+                top = list(zip(ids[k][:wanted], values[k][:wanted], strict=True)) if wanted else []
+                results[row] = TokenLogprob(token_list[row], chosen[k], top)
+        if self.unsatisfiable is not None:
+            for row in self.unsatisfiable.tolist():
                 token_list[row] = NO_TOKEN
-        return token_list, logprobs
+        return token_list, results
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def _filters(request: Request, vocab: int) -> bool:
@@ -210,22 +292,16 @@ def _first_above(cdf: torch.Tensor, target: torch.Tensor, total: torch.Tensor) -
 
 
 def _logprobs(
-    logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor, token_list: list[int]
-) -> list[TokenLogprob | None]:
+    logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor
+) -> LogprobRows | None:
     """The sampled token's logprob and the top alternatives, for the rows that asked."""
     asked = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    results: list[TokenLogprob | None] = [None] * len(requests)
     if not asked:
-        return results
+        return None
+    wanted = [requests[i].params.logprobs or 0 for i in asked]
     index = torch.tensor(asked, device=logits.device)
     logprobs = torch.log_softmax(logits[index], dim=-1)
-    chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1).tolist()
-    most = max(requests[i].params.logprobs for i in asked)
+    chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1)
+    most = max(wanted)
     top_values, top_ids = logprobs.topk(most, dim=-1) if most > 0 else (None, None)
-    values = top_values.tolist() if top_values is not None else None
-    ids = top_ids.tolist() if top_ids is not None else None
-    for k, row in enumerate(asked):
-        wanted = requests[row].params.logprobs
-        top = list(zip(ids[k][:wanted], values[k][:wanted], strict=True)) if wanted else []
-        results[row] = TokenLogprob(token_list[row], chosen[k], top)
-    return results
+    return LogprobRows(asked, wanted, chosen, top_values, top_ids)

@@ -1,25 +1,95 @@
 """One lane (chunked, prefill-first): each `step()` takes in new requests, asks the policy for
 a plan, runs its batch (prompt chunks and decode rows together) on every unit and samples the
-requests it brought to their next token."""
+requests it brought to their next token.
+
+Under --async-scheduling a step is a pipeline of two: step N+1 is planned, its inputs built
+and its kernels launched while step N still runs on the device; N's tokens are read back after
+that, and N+1's decode rows take them from N's draw on the device. Until then each such
+token is pending in its request (counted, so the plan schedules its row; not yet in the
+output). N's tokens are read back while N+1's forward runs and before N+1's are drawn, so
+that a draw that reads its request's output (a grammar, penalties) sees all of it; a request
+that N's token ended has run one row too many in N+1, which draws nothing for it. A plan that
+preempts waits for N to be read back first and is made again.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from bulletserve.bookkeeping.clock import Clock
 from bulletserve.bookkeeping.record import write_step
-from bulletserve.bookkeeping.single import begin_single_step, end_single_step, scheduler_snapshot
-from bulletserve.engine.model_runner import SeqWork, request_work
+from bulletserve.bookkeeping.single import (
+    SingleStep,
+    begin_single_step,
+    end_single_step,
+    scheduler_snapshot,
+)
+from bulletserve.engine.model_runner import FedTokens, SeqWork, request_work
 from bulletserve.engine.parts import EngineParts
-from bulletserve.engine.request import RequestOutput, RequestState
+from bulletserve.engine.request import Request, RequestOutput, RequestState
+from bulletserve.engine.sampler import Draw
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.sched import make_policy
-from bulletserve.sched.base import Policy, SchedulerSnapshot
+from bulletserve.sched.base import Policy, SchedulerSnapshot, StepPlan
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceTimer:
+    """Where a GPU's steps start and end on the host's clock: events recorded around each
+    step's kernels, placed against one reference event whose host time is known, and read once
+    the step is done; so timing steps for the step log never waits for them."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._reference = torch.cuda.Event(enable_timing=True)
+        self._reference.record()
+        self._reference.synchronize()
+        self._reference_time = clock.now()
+
+    def mark(self) -> torch.cuda.Event:
+        """An event behind the kernels launched so far."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def at(self, event: torch.cuda.Event) -> float:
+        """When the device reached `event` (waiting for it), on the host's clock."""
+        event.synchronize()
+        return self._reference_time + self._reference.elapsed_time(event) / 1e3
+
+
+@dataclass
+class InFlight:
+    """A step launched and not yet read back: its bookkeeping and works, the requests it draws
+    a token for (in its rows' order) and the draw; its forward's end and seconds as the clock
+    measured them (a CPU's, which computes as it launches), and on a GPU the events around it."""
+
+    step: SingleStep[Request]
+    works: list[SeqWork]
+    sampled: list[Request]
+    draw: Draw | None
+    ended: float
+    measured: float
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+
+    def feeds(self, step: SingleStep[Request]) -> FedTokens | None:
+        """The rows of `step` whose input token this step is drawing."""
+        drawn = {id(request): row for row, request in enumerate(self.sampled) if request.pending}
+        rows, picks = [], []
+        for index, (request, _) in enumerate(step.batch):
+            row = drawn.get(id(request))
+            if row is not None:
+                rows.append(index)
+                picks.append(row)
+        if not rows:
+            return None
+        assert self.draw is not None
+        return FedTokens(rows, self.draw.tokens, picks)
 
 
 class SingleLane:
@@ -27,6 +97,8 @@ class SingleLane:
         self.parts = parts
         self.policy: Policy = make_policy(parts.config)
         self._logits = LogitsBuffer()
+        self.async_scheduling = parts.config.async_scheduling
+        self._in_flight: InFlight | None = None
         device = parts.device
         # The device's units, as the step log counts them: SMs on a GPU, threads on a CPU.
         if device.type == "cuda":
@@ -39,6 +111,7 @@ class SingleLane:
             started = time.perf_counter()
             graphs.capture()
             logger.info("captured decode graphs in %.1f s", time.perf_counter() - started)
+        self._timer = DeviceTimer(parts.clock) if parts.step_log and device.type == "cuda" else None
 
     def thread_counts(self) -> list[int]:
         return [torch.get_num_threads()]
@@ -50,53 +123,126 @@ class SingleLane:
         )
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; outputs of requests that progressed or ended."""
+        """One scheduling step; outputs of requests that progressed or ended. Under
+        --async-scheduling, the step is planned and launched while the last one may still run
+        on the device, and the outputs are the last step's."""
         parts, life = self.parts, self.parts.life
         outputs = life.take_in()
-        step = begin_single_step(parts.book, self.policy.plan(self.snapshot()))
+        plan = self.policy.plan(self.snapshot())
+        if self._in_flight is not None and self._waits_for_draw(plan):
+            outputs += self._land(self._in_flight)
+            self._in_flight = None
+            plan = self.policy.plan(self.snapshot())
+        step = begin_single_step(parts.book, plan)
         for request in step.preempted:
             request.state = RequestState.WAITING
         if not step.batch:
+            if self._in_flight is not None:
+                outputs += self._land(self._in_flight)
+                self._in_flight = None
             return outputs
+        flight, logits = self._launch(step)
+        if self._in_flight is not None:
+            outputs += self._land(self._in_flight)
+        self._draw(flight, logits)
+        self._close(flight)
+        if self.async_scheduling:
+            self._in_flight = flight
+        else:
+            self._in_flight = None
+            outputs += self._land(flight)
+        return outputs
+
+    def _waits_for_draw(self, plan: StepPlan) -> bool:
+        """Whether the plan needs the step in flight read back first: it preempts (a request
+        recomputes its context from tokens the host has), or it schedules a pending token as
+        more than one decode row's input."""
+        if plan.preempted:
+            return True
+        assert self._in_flight is not None
+        pending = {r.request_id for r in self._in_flight.sampled if r.pending}
+        return any(s.num_tokens != 1 and s.request_id in pending for s in plan.scheduled)
+
+    def _launch(self, step: SingleStep[Request]) -> tuple[InFlight, torch.Tensor]:
+        """Run the step's forward on the device: the step, and the logits of the rows that
+        draw a token. A decode row whose input token the step in flight is drawing takes it
+        from that step's draw."""
+        parts = self.parts
         works = []
         now = parts.clock.now()
         for request, num_tokens in step.batch:
             start = request.num_computed_tokens
-            end = start + num_tokens
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
-            works.append(request_work(request, start, end))
+            works.append(request_work(request, start, start + num_tokens))
+        fed = None
+        if self._in_flight is not None and self._in_flight.draw is not None:
+            fed = self._in_flight.feeds(step)
+        started = self._timer.mark() if self._timer is not None else None
         (logits, sampling), measured = parts.clock.run_single(
-            step, self.units, partial(self._execute, works)
+            step, self.units, partial(parts.runner.execute, works, self._logits, fed=fed)
         )
-        if parts.step_log:
-            es = step.execution_state(self.units)[0]
-            write_step(parts.step_log, step.record(parts.clock.now(), self.units, es, measured))
-            parts.step_log.flush()
-        end_single_step(parts.book, step)
-        for (request, _), work in zip(step.batch, works, strict=True):
+        events = None
+        if self._timer is not None and started is not None:
+            events = (started, self._timer.mark())
+        # The runner's row order (prompts of one token sit with the decode rows).
+        sampled = [step.batch[i][0] for i in sampling]
+        flight = InFlight(step, works, sampled, None, parts.clock.now(), measured, events)
+        return flight, logits
+
+    def _draw(self, flight: InFlight, logits: torch.Tensor) -> None:
+        """Draw the step's tokens where its logits are, after the step before was read back
+        (so that a draw reading its request's own output, a grammar's or a penalty's, sees
+        all of it); a request that step ended draws nothing."""
+        live = [row for row, request in enumerate(flight.sampled) if not request.is_finished]
+        if len(live) < len(flight.sampled):
+            flight.sampled = [flight.sampled[row] for row in live]
+            if live:
+                logits = logits[torch.tensor(live, dtype=torch.long, device=logits.device)]
+        if flight.sampled:
+            stop_ids = [request.stop_ids for request in flight.sampled]
+            flight.draw = self.parts.sampler.draw(logits, flight.sampled, stop_ids)
+            flight.draw.copy_back()
+
+    def _close(self, flight: InFlight) -> None:
+        """Count what the step computed (the host knows every token it read by now), and mark
+        the tokens it draws as pending in their requests until they are read back. A request
+        that ended meanwhile (its stop found in the step before, an abort) is left alone."""
+        parts = self.parts
+        end_single_step(parts.book, flight.step, lambda request: request.is_finished)
+        for (request, _), work in zip(flight.step.batch, flight.works, strict=True):
+            if request.is_finished:
+                continue
             if work.prompt_targets:
                 request.keep_prompt_logprobs(work.start, work.prompt_logprobs)
             if request.num_computed_tokens < request.num_tokens:
                 request.state = RequestState.PREFILLING
-        # The runner's row order (prompts of one token sit with the decode rows).
-        sampled = [step.batch[i][0] for i in sampling]
-        if sampled:
-            stop_sets = [r.stop_ids for r in sampled]
-            tokens, logprobs = parts.sampler.sample(logits, sampled, stop_sets)
-            now = parts.clock.now()
-            for request, token, logprob in zip(sampled, tokens, logprobs, strict=True):
-                life.append_token(request, token, logprob, now)
-        for request in sampled:
+        for request in flight.sampled:
+            request.pending = not request.is_finished
+
+    def _land(self, flight: InFlight) -> list[RequestOutput]:
+        """Read the step's draw back and hand each token to its request's life; the outputs of
+        the requests it advanced. A token drawn for a request that ended meanwhile is dropped."""
+        parts, life = self.parts, self.parts.life
+        tokens, logprobs = flight.draw.read() if flight.draw is not None else ([], [])
+        if parts.step_log:
+            ended, measured = flight.ended, flight.measured
+            if self._timer is not None and flight.events is not None:
+                started, ended = (self._timer.at(event) for event in flight.events)
+                measured = ended - started
+            es = flight.step.execution_state(self.units)[0]
+            record = flight.step.record(ended, self.units, es, measured)
+            write_step(parts.step_log, record)
+            parts.step_log.flush()
+        now = parts.clock.now()
+        outputs = []
+        for request, token, logprob in zip(flight.sampled, tokens, logprobs, strict=True):
+            request.pending = False
+            if request.is_finished:
+                continue
+            life.append_token(request, token, logprob, now)
             outputs.append(life.output(request))
         return outputs
-
-    def _execute(self, works: list[SeqWork]) -> tuple[torch.Tensor, list[int]]:
-        parts = self.parts
-        logits, sampling = parts.runner.execute(works, self._logits)
-        if parts.step_log and parts.device.type == "cuda":
-            torch.cuda.synchronize(parts.device)  # the step's device time, not its launch time
-        return logits, sampling
 
     # ---- the rest of the executor interface: one lane computes only inside `step()` ---------
 
@@ -104,7 +250,7 @@ class SingleLane:
         pass
 
     def has_pending(self) -> bool:
-        return False
+        return self._in_flight is not None
 
     def num_running(self) -> int:
         return len(self.parts.book.running)
