@@ -4,9 +4,11 @@ Stages, each printing rows of one table and writing JSON to --out:
   splits: green-context splits; an n^3 GEMM's rate on each SM count, and two saturating GEMMs
           co-running on disjoint groups (their rates should add up to about the whole GPU's)
   steps:  a dummy model's prefill and decode step latency at three splits, alone and co-running
-  offline: LLM.generate per policy without the server, with CUDA graphs and --enforce-eager, with a
+  offline: LLM.generate per policy without the server, with CUDA graphs and --enforce-eager, and
+          chunked under --async-scheduling; each run's decode busy share (see bench), and a
           torch.profiler table of the eager chunked run
-  bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks),
+  bench:  `bullet serve` + `bullet bench` at two rates, bullet vs chunked (1024-token chunks,
+          serial steps and --async-scheduling),
           and each server's decode busy share: of its step log's span, the time a step with
           decode rows ran (the rest the device waited on the host, ran prompts alone, or idled)
 
@@ -137,7 +139,11 @@ def stage_offline(args, out: Path) -> list[dict]:
     prompts = [[(i * 7919 + j * 104729) % 40000 + 5 for j in range(128)] for i in range(32)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     graphs_too = [False, True] if args.device == "cuda" else [False]
-    for policy, graphs in [(p, g) for p in ("chunked", "bullet") for g in graphs_too]:
+    runs = [(p, g, False) for p in ("chunked", "bullet") for g in graphs_too]
+    runs.append(("chunked", args.device == "cuda", True))  # --async-scheduling
+    for policy, graphs, overlapped in runs:
+        name = f"{policy}{'-graphs' if graphs else ''}{'-async' if overlapped else ''}"
+        step_log = out / f"offline-steps-{name}.jsonl"
         llm = LLM(
             model=args.model,
             load_format="dummy",
@@ -146,16 +152,13 @@ def stage_offline(args, out: Path) -> list[dict]:
             max_model_len=1024,
             policy=policy,
             enforce_eager=not graphs,
+            async_scheduling=overlapped,
             hardware_profile=args.hardware_profile if policy == "bullet" else None,
-            step_log=(
-                str(out / f"offline-steps-bullet{'-graphs' if graphs else ''}.jsonl")
-                if policy == "bullet"
-                else None
-            ),
+            step_log=str(step_log),
         )
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         profiler = None
-        if policy == "chunked" and not graphs:
+        if policy == "chunked" and not graphs and not overlapped:
             profiler = torch.profiler.profile(
                 activities=[
                     torch.profiler.ProfilerActivity.CPU,
@@ -176,8 +179,11 @@ def stage_offline(args, out: Path) -> list[dict]:
             {
                 "policy": policy,
                 "cuda_graphs": graphs,
+                "async": overlapped,
                 "seconds": seconds,
                 "out_tok_per_s": tokens / seconds,
+                # Of the whole log (the warm-up's steps too): the device's share decoding.
+                "decode_busy": decode_busy_share(read_step_log(step_log)),
             }
         )
         close = getattr(llm.engine, "close", None)
@@ -217,12 +223,19 @@ def bench_servers(labels: str, hardware_profile: str | None) -> list[tuple[str, 
             servers.append((label, ["--policy", "bullet", *profile]))
         elif label == "bullet-no-fuse":
             servers.append((label, ["--policy", "bullet", "--no-fuse-decode", *profile]))
-        elif label.startswith("chunked-") and label.removeprefix("chunked-").isdigit():
-            size = label.removeprefix("chunked-")
-            servers.append((label, ["--policy", "chunked", "--chunked-prefill-size", size]))
+        elif (
+            label.startswith("chunked-")
+            and label.removeprefix("chunked-").removesuffix("-async").isdigit()
+        ):
+            size = label.removeprefix("chunked-").removesuffix("-async")
+            flags = ["--policy", "chunked", "--chunked-prefill-size", size]
+            if label.endswith("-async"):
+                flags.append("--async-scheduling")
+            servers.append((label, flags))
         else:
             raise SystemExit(
-                f"--bench-policies: {label!r} is not bullet, bullet-no-fuse or chunked-N"
+                f"--bench-policies: {label!r} is not bullet, bullet-no-fuse, chunked-N or "
+                "chunked-N-async"
             )
     return servers
 
@@ -348,8 +361,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--bench-policies",
-        default="bullet,chunked-1024",
-        help="servers to bench, in order: bullet, bullet-no-fuse (--no-fuse-decode), chunked-N",
+        default="bullet,chunked-1024,chunked-1024-async",
+        help="servers to bench, in order: bullet, bullet-no-fuse (--no-fuse-decode), chunked-N, "
+        "chunked-N-async (with --async-scheduling)",
     )
     parser.add_argument(
         "--hardware-profile", default=None, help="a `bullet profile` JSON for the bullet server"

@@ -3,10 +3,12 @@
 #   tests -> tests/test_cuda.py (green contexts, the model, graphs and the lanes on a GPU) and
 #   tests/test_triton_attention.py (our Triton kernels against the float64 reference);
 #   splits -> green-context GEMM scaling and disjointness; steps -> dummy Llama-3.1-8B bf16
-#   prefill/decode latency at three splits, alone and co-running; bench -> bullet vs chunked-1024
-#   at two rates through the real server (its engine core in a process of its own, auto on a
-#   GPU), the bullet server on a `bullet profile --quick` of the device made first, with each
-#   server's decode busy share of its step log's span (issue 62's target: >= 0.8 at 15 req/s).
+#   prefill/decode latency at three splits, alone and co-running; offline -> LLM.generate per
+#   policy, graphs or eager, and chunked under --async-scheduling; bench -> bullet vs
+#   chunked-1024, serial and --async-scheduling, at two rates through the real server (its
+#   engine core in a process of its own, auto on a GPU), the bullet server on a `bullet profile
+#   --quick` of the device made first, with each run's decode busy share of its step log's span
+#   (issue 62's target: >= 0.8 at 15 req/s).
 #   Prints one table; the logs, step logs and bench JSON go to $OUT/device-check.tgz, the
 #   printed output to $OUT/check.log.
 # The device has torch, CUDA and cuda-bindings but not the server's packages nor the embedded
@@ -15,7 +17,7 @@
 # STAGES picks stages (default: tests steps offline bench); bench sizes: BENCH_PROMPTS
 # (default 40) and BENCH_RATES (default 4,8), requests fitted to 1024 tokens; BENCH_SERVER_FLAGS
 # adds serve flags to every server (e.g. --enforce-eager); BENCH_POLICIES the servers (default
-# bullet,chunked-1024; also bullet-no-fuse and chunked-N).
+# bullet,chunked-1024,chunked-1024-async; also bullet-no-fuse, chunked-N, chunked-N-async).
 set -uo pipefail
 OUT=${OUT:-device-check}
 WORK=$(mktemp -d)
@@ -57,10 +59,10 @@ stage() { case " ${STAGES:-tests steps offline bench} " in *" $1 "*) return 0 ;;
     pack
   fi
   if stage bench; then
-    timeout 300 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" \
+    timeout 400 python3 scripts/device_check.py bench --out "$WORK" "${TOKENIZER[@]}" \
       "${PROFILE[@]}" --num-prompts "${BENCH_PROMPTS:-40}" --rates "${BENCH_RATES:-4,8}" \
       --bench-timeout 120 --server-flags="${BENCH_SERVER_FLAGS:-}" \
-      --bench-policies "${BENCH_POLICIES:-bullet,chunked-1024}"
+      --bench-policies "${BENCH_POLICIES:-bullet,chunked-1024,chunked-1024-async}"
     pack
   fi
 } 2>&1 | tee "$OUT/check.log"
