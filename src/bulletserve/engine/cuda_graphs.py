@@ -91,8 +91,9 @@ class PaddedDecode:
         tables = block_tables([w.block_table for w in works], [s + 1 for s in starts], block_size)
         padded = torch.zeros(self.batch, tables.shape[1], dtype=torch.int32)
         padded[:n] = tables
-        # From pinned memory, so that the copies queue behind a step in flight, not wait for it.
-        host, padded = host.pin_memory(), padded.pin_memory()
+        if self.input_ids.is_cuda:
+            # From pinned memory, so that the copies queue behind a step in flight, not wait.
+            host, padded = host.pin_memory(), padded.pin_memory()
         self.input_ids.copy_(host[0], non_blocking=True)
         self.positions.copy_(host[1], non_blocking=True)
         self.slot_mapping.copy_(host[2], non_blocking=True)
