@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny_models import make_hf_model
+from tests.tiny_models import GREEDY, make_hf_model, random_prompts, tiny_llm
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +22,11 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     make_hf_model("llama", folder, seed=1, init_std=0.3)
     return folder
+
+
+@pytest.fixture(scope="session")
+def alone_outputs(tiny_llama_dir) -> list[list[int]]:
+    """Greedy tokens of ten random prompts on the tiny Llama, one sequence a step: what any
+    batching, policy or step order must reproduce."""
+    llm = tiny_llm(tiny_llama_dir, max_num_seqs=1)
+    return [o.token_ids for o in llm.generate(random_prompts(10, seed=5), GREEDY)]

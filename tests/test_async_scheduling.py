@@ -9,13 +9,7 @@ from bulletserve import LLM, SamplingParams
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.model_runner import ModelRunner
 from bulletserve.engine.structured import StructuredOutputs
-from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
-
-
-def _llm(model_dir, **kwargs) -> LLM:
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("max_model_len", 256)
-    return LLM(model=str(model_dir), **kwargs)
+from tests.tiny_models import GREEDY, TINY_LLAMA_BLOCK_BYTES, random_prompts, tiny_llm
 
 
 def _count_fed_rows(llm: LLM, monkeypatch) -> list[int]:
@@ -31,15 +25,6 @@ def _count_fed_rows(llm: LLM, monkeypatch) -> list[int]:
     return fed_rows
 
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def serial_outputs(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, max_num_seqs=1)
-    return [o.token_ids for o in llm.generate(random_prompts(10, seed=5), GREEDY)]
-
-
 @pytest.mark.parametrize(
     "settings",
     [
@@ -52,12 +37,12 @@ def serial_outputs(tiny_llama_dir):
     ids=["chunked", "chunked-5", "prefill-first", "chunked-preempt", "pf-preempt"],
 )
 def test_the_overlapped_plan_gives_the_serial_plans_greedy_outputs(
-    tiny_llama_dir, serial_outputs, settings, monkeypatch
+    tiny_llama_dir, alone_outputs, settings, monkeypatch
 ):
-    llm = _llm(tiny_llama_dir, async_scheduling=True, **settings)
+    llm = tiny_llm(tiny_llama_dir, async_scheduling=True, **settings)
     fed_rows = _count_fed_rows(llm, monkeypatch)
     outputs = llm.generate(random_prompts(10, seed=5), GREEDY)
-    assert [o.token_ids for o in outputs] == serial_outputs
+    assert [o.token_ids for o in outputs] == alone_outputs
     assert sum(fed_rows) > 0  # decode rows did run before their input was on the host
     if "kv_cache_memory" in settings:
         assert sum(o.num_preemptions for o in outputs) > 0
@@ -83,12 +68,12 @@ def test_stops_logprobs_seeds_and_constraints_match_the_serial_engine(tiny_llama
         structured_outputs=StructuredOutputs("choice", choices=("yes", "no")),
     )
     params[5] = SamplingParams(max_tokens=20, temperature=0.7, top_p=0.9, seed=3)
-    serial = _llm(tiny_llama_dir)
+    serial = tiny_llm(tiny_llama_dir)
     full = serial.generate([prompts[6]], SamplingParams(max_tokens=20, temperature=0))[0]
     params[6] = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[full.token_ids[4]])
     params[7] = SamplingParams(max_tokens=20, temperature=0, stop=[full.text[3:5]])
     expected = serial.generate(prompts, params)
-    overlapped = _llm(tiny_llama_dir, async_scheduling=True)
+    overlapped = tiny_llm(tiny_llama_dir, async_scheduling=True)
     fed_rows = _count_fed_rows(overlapped, monkeypatch)
     got = overlapped.generate(prompts, params)
     assert sum(fed_rows) > 0
@@ -106,7 +91,7 @@ def test_stops_logprobs_seeds_and_constraints_match_the_serial_engine(tiny_llama
 
 
 def test_an_abort_while_its_step_runs_ends_the_request_once(tiny_llama_dir):
-    engine = _llm(tiny_llama_dir, async_scheduling=True).engine
+    engine = tiny_llm(tiny_llama_dir, async_scheduling=True).engine
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(4, seed=14)]
     for _ in range(3):

@@ -10,22 +10,7 @@ from bulletserve import LLM, SamplingParams
 from bulletserve.bookkeeping.record import read_step_log
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
-from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts
-
-
-def _llm(model_dir, **kwargs) -> LLM:
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("max_model_len", 256)
-    return LLM(model=str(model_dir), **kwargs)
-
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def alone_outputs(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, max_num_seqs=1)
-    return [o.token_ids for o in llm.generate(random_prompts(10, seed=5), GREEDY)]
+from tests.tiny_models import GREEDY, TINY_LLAMA_BLOCK_BYTES, random_prompts, tiny_llm
 
 
 @pytest.mark.parametrize(
@@ -50,7 +35,7 @@ def alone_outputs(tiny_llama_dir):
 def test_greedy_output_independent_of_batch_policy_and_preemption(
     tiny_llama_dir, alone_outputs, settings
 ):
-    llm = _llm(tiny_llama_dir, **settings)
+    llm = tiny_llm(tiny_llama_dir, **settings)
     outputs = llm.generate(random_prompts(10, seed=5), GREEDY)
     assert [o.token_ids for o in outputs] == alone_outputs
     if "kv_cache_memory" in settings:
@@ -60,7 +45,7 @@ def test_greedy_output_independent_of_batch_policy_and_preemption(
 
 def test_stale_memory_in_the_pool_never_leaks_into_attention(tiny_llama_dir, alone_outputs):
     """Freed blocks keep old values; a partly filled last block must not be read (NaN * 0)."""
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     pool = llm.engine.pool
     pool.kv.fill_(float("nan"))
     pool.kv[:, :, : pool.block_size].zero_()  # the null block stays zero
@@ -69,7 +54,7 @@ def test_stale_memory_in_the_pool_never_leaks_into_attention(tiny_llama_dir, alo
 
 
 def test_300_requests_through_a_small_pool_all_finish(tiny_llama_dir):
-    llm = _llm(
+    llm = tiny_llm(
         tiny_llama_dir, kv_cache_memory=str(24 * TINY_LLAMA_BLOCK_BYTES), chunked_prefill_size=64
     )
     rng = random.Random(7)
@@ -92,7 +77,7 @@ def test_300_requests_through_a_small_pool_all_finish(tiny_llama_dir):
 
 
 def test_seeded_sampling_reproduces_whatever_the_batch(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     prompt = random_prompts(1, seed=9)[0]
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
     alone = llm.generate([prompt], seeded)[0].token_ids
@@ -104,7 +89,7 @@ def test_seeded_sampling_reproduces_whatever_the_batch(tiny_llama_dir):
 
 
 def test_top_k_one_is_greedy_and_logprobs_are_consistent(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     prompt = random_prompts(1, seed=11)[0]
     greedy = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     top1 = llm.generate(
@@ -122,7 +107,7 @@ def test_top_k_one_is_greedy_and_logprobs_are_consistent(tiny_llama_dir):
 
 
 def test_top_p_keeps_sampling_within_the_nucleus(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     prompt = random_prompts(1, seed=12)[0]
     tiny_p = SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -132,7 +117,7 @@ def test_top_p_keeps_sampling_within_the_nucleus(tiny_llama_dir):
 
 
 def test_stop_string_truncates_the_text(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     prompt = "Hello there"
     full = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
@@ -145,7 +130,7 @@ def test_stop_string_truncates_the_text(tiny_llama_dir):
 
 
 def test_stop_token_ids_and_max_model_len(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, max_model_len=32)
+    llm = tiny_llm(tiny_llama_dir, max_model_len=32)
     prompt = random_prompts(1, seed=13, low=20, high=20)[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 32
@@ -159,7 +144,7 @@ def test_stop_token_ids_and_max_model_len(tiny_llama_dir):
 
 
 def test_abort_frees_blocks_at_once(tiny_llama_dir):
-    engine: LLMEngine = _llm(tiny_llama_dir).engine
+    engine: LLMEngine = tiny_llm(tiny_llama_dir).engine
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(4, seed=14)]
     for _ in range(3):
@@ -187,7 +172,7 @@ def test_bad_sampling_params_name_the_problem(kwargs, message):
 
 
 def test_prompt_too_long_is_rejected_and_engine_stays_usable(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, max_model_len=16)
+    llm = tiny_llm(tiny_llama_dir, max_model_len=16)
     with pytest.raises(ValueError, match="the prompt has 40 tokens; --max-model-len is 16"):
         llm.generate([[5] * 4, [5] * 40], GREEDY)
     assert not llm.engine.has_unfinished()
@@ -317,7 +302,7 @@ def test_the_offline_api_takes_and_returns_what_vllms_does(tiny_llama_dir):
     """`generate(prompts, sampling_params=...)`, `out.outputs[i].text / token_ids / logprobs /
     finish_reason`, and `SamplingParams(n=...)`: a prompt's n sequences, seeded ones from seed
     + k, as vLLM's parallel sampling."""
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     prompts = random_prompts(2, seed=31)
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, logprobs=1)
     try:
@@ -363,7 +348,7 @@ def test_a_hugging_face_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
     source = resolve_model("tiny-org/tiny-llama")
     assert source.path == snapshot and source.name == "tiny-org/tiny-llama"
     assert resolve_model("tiny-org/tiny-llama", revision=commit).path == snapshot
-    llm = _llm("tiny-org/tiny-llama")
+    llm = tiny_llm("tiny-org/tiny-llama")
     try:
         assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids) == 12
     finally:
@@ -396,7 +381,7 @@ def test_dummy_weights_take_a_model_folders_shape(tiny_llama_dir):
     cpu = torch.device("cpu")
     weights = [load_model(s, torch.float32, cpu, 64).embed_tokens.weight for s in (real, dummy)]
     assert weights[0].shape == weights[1].shape and not torch.equal(*weights)
-    llm = _llm(str(tiny_llama_dir), load_format="dummy")
+    llm = tiny_llm(str(tiny_llama_dir), load_format="dummy")
     try:
         assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids) == 12
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bulletserve import LLM, SamplingParams
 from bulletserve.model.tokenizer import load_tokenizer
 
 needs_default_model = pytest.mark.skipif(
@@ -22,6 +23,16 @@ TINY_VOCAB = 49152  # the default model's tokenizer, so text prompts work on tin
 # One KV block of the session's tiny Llama in fp32: layers * (k, v) * kv heads * head dim * 4 B
 # * 16 tokens; for sizing deliberately small pools.
 TINY_LLAMA_BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16
+# Twelve greedy tokens past any EOS: what the tests comparing engines' outputs generate.
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def tiny_llm(model_dir: Path, **kwargs: object) -> LLM:
+    """The offline engine on a tiny model folder, in fp32 (greedy tokens independent of the
+    batch) with a short context unless told otherwise."""
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(model=str(model_dir), **kwargs)
 
 
 def random_prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:

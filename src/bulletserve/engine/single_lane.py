@@ -179,9 +179,10 @@ class SingleLane:
         if self._in_flight is not None and self._in_flight.draw is not None:
             fed = self._in_flight.feeds(step)
         started = self._timer.mark() if self._timer is not None else None
-        (logits, sampling), measured = parts.clock.run_single(
-            step, self.units, partial(parts.runner.execute, works, self._logits, fed=fed)
-        )
+        run = partial(parts.runner.execute, works, self._logits)
+        if fed is not None:
+            run = partial(run, fed=fed)
+        (logits, sampling), measured = parts.clock.run_single(step, self.units, run)
         events = None
         if self._timer is not None and started is not None:
             events = (started, self._timer.mark())

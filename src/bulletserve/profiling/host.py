@@ -34,9 +34,9 @@ def outside_runner_s(
     runner = engine.runner
     execute = runner.execute
 
-    def timed(works: list, out: object = None) -> object:
+    def timed(works: list, out: object = None, **kwargs: object) -> object:
         start = time.perf_counter()
-        result = execute(works, out)
+        result = execute(works, out, **kwargs)
         sync()
         calls.append((all(len(w.token_ids) == 1 for w in works), time.perf_counter() - start))
         return result
