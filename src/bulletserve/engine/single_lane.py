@@ -3,13 +3,12 @@ a plan, runs its batch (prompt chunks and decode rows together) on every unit an
 requests it brought to their next token.
 
 Under --async-scheduling a step is a pipeline of two: step N+1 is planned, its inputs built
-and its kernels launched while step N still runs on the device; N's tokens are read back after
-that, and N+1's decode rows take them from N's draw on the device. Until then each such
-token is pending in its request (counted, so the plan schedules its row; not yet in the
-output). N's tokens are read back while N+1's forward runs and before N+1's are drawn, so
-that a draw that reads its request's output (a grammar, penalties) sees all of it; a request
-that N's token ended has run one row too many in N+1, which draws nothing for it. A plan that
-preempts waits for N to be read back first and is made again.
+and its forward launched while step N still runs on the device, N+1's decode rows taking N's
+tokens from N's draw on the device; until N is read back each such token is pending in its
+request (counted, so the plan schedules its row; not yet in the output). N is read back while
+N+1's forward runs and before N+1 draws, so that a draw that reads its request's output (a
+grammar, penalties) sees all of it; a request N's token ended has run one row too many in N+1,
+which draws nothing for it. A plan that preempts waits for N to be read back and is made again.
 """
 
 from __future__ import annotations
