@@ -50,9 +50,10 @@ def test_the_overlapped_plan_gives_the_serial_plans_greedy_outputs(
 
 
 def test_stops_logprobs_seeds_and_constraints_match_the_serial_engine(tiny_llama_dir, monkeypatch):
-    """Requests that end early (EOS, stop tokens and strings, length), ask for logprobs, draw
-    with their own seeds, or read their own output (penalties, min_tokens, bad words, a
-    grammar: these wait for the step before), and prompts repeated for the prefix cache."""
+    """Requests that end early (EOS, stop tokens and strings, length), ask for logprobs (of
+    their prompt too), draw with their own seeds, or read their own output (a penalty,
+    min_tokens, a grammar: each draws after the step before is read back), and prompts
+    repeated for the prefix cache."""
     prompts = random_prompts(12, seed=21, low=20, high=50)
     prompts += prompts[:4]
     params = [
@@ -68,19 +69,29 @@ def test_stops_logprobs_seeds_and_constraints_match_the_serial_engine(tiny_llama
         structured_outputs=StructuredOutputs("choice", choices=("yes", "no")),
     )
     params[5] = SamplingParams(max_tokens=20, temperature=0.7, top_p=0.9, seed=3)
+    params[8] = SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=1)
     serial = tiny_llm(tiny_llama_dir)
-    full = serial.generate([prompts[6]], SamplingParams(max_tokens=20, temperature=0))[0]
-    params[6] = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[full.token_ids[4]])
-    params[7] = SamplingParams(max_tokens=20, temperature=0, stop=[full.text[3:5]])
-    expected = serial.generate(prompts, params)
     overlapped = tiny_llm(tiny_llama_dir, async_scheduling=True)
-    fed_rows = _count_fed_rows(overlapped, monkeypatch)
-    got = overlapped.generate(prompts, params)
+    try:  # closed after: the grammar's compiler processes end with their engine
+        full = serial.generate([prompts[6]], SamplingParams(max_tokens=20, temperature=0))[0]
+        stop_id, stop = full.token_ids[4], full.text[3:5]
+        params[6] = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id])
+        params[7] = SamplingParams(max_tokens=20, temperature=0, stop=[stop])
+        expected = serial.generate(prompts, params)
+        fed_rows = _count_fed_rows(overlapped, monkeypatch)
+        got = overlapped.generate(prompts, params)
+    finally:
+        serial.engine.close()
+        overlapped.engine.close()
     assert sum(fed_rows) > 0
     for want, have in zip(expected, got, strict=True):
         assert have.token_ids == want.token_ids
         assert have.text == want.text
         assert have.finish_reason == want.finish_reason
+        if want.prompt_logprobs is not None:
+            assert [lp and lp.token_id for lp in have.prompt_logprobs] == [
+                lp and lp.token_id for lp in want.prompt_logprobs
+            ]
         if want.logprobs is not None:
             assert [lp.token_id for lp in have.logprobs] == [lp.token_id for lp in want.logprobs]
             assert [lp.logprob for lp in have.logprobs] == pytest.approx(
