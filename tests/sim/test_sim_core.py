@@ -8,7 +8,9 @@ import json
 import pytest
 
 from bulletserve.bench.datasets import RandomLengths, load_lengths
+from bulletserve.bench.records import RequestRecord
 from bulletserve.bookkeeping.record import read_step_log
+from bulletserve.perf.model import PerfModel
 from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import RULE_NAMES, BulletParams, BulletPolicy
 from bulletserve.sched.slo import SLO
@@ -55,6 +57,33 @@ def test_same_seed_same_result_other_seed_differs(policy, chunk):
     assert first["simulated"] is True and first["hardware"] == "A100-80GB-SXM"
 
 
+def _lone_request(
+    policy: str, chunk: int | None, prompt: int, output: int, **settings: object
+) -> tuple[RequestRecord, PerfModel, float, list[float]]:
+    """One request of `prompt` tokens in and `output` out, simulated alone without noise: its
+    record, the performance model, and the model's prefill and per-decode-step predictions."""
+    config = _config(
+        policy,
+        chunk,
+        device_memory_gib=80.0,
+        dataset="random",
+        num_prompts=1,
+        request_rates=(float("inf"),),
+        random_lengths=RandomLengths(prompt, output),
+        noise=0.0,
+        **settings,
+    )
+    record = simulate(config).runs[0].requests[0]
+    perf = setup(config).perf
+    units = perf.hw.units
+    ttft = perf.predict(ExecutionState(prefill_lens=(prompt,), prefill_units=units)).prefill_s
+    decode = [
+        perf.predict(ExecutionState(decode_ctx=(prompt + k,), decode_units=units)).decode_s
+        for k in range(1, output)
+    ]
+    return record, perf, ttft, decode
+
+
 @pytest.mark.parametrize("host_terms", [None, (2e-3, 5e-4)])
 @pytest.mark.parametrize(("policy", "chunk"), POLICIES)
 def test_single_request_without_noise_matches_the_model(policy, chunk, host_terms, tmp_path):
@@ -69,26 +98,8 @@ def test_single_request_without_noise_matches_the_model(policy, chunk, host_term
         )
         hardware, host = str(tmp_path / "a100-host.json"), sum(host_terms)
         dataclasses.replace(hw, calibration=cal).save(hardware)
-    config = _config(
-        policy,
-        chunk,
-        hardware=hardware,
-        device_memory_gib=80.0,
-        dataset="random",
-        num_prompts=1,
-        request_rates=(float("inf"),),
-        random_lengths=RandomLengths(prompt, output),
-        noise=0.0,
-    )
-    record = simulate(config).runs[0].requests[0]
-    perf = setup(config).perf
-    units = perf.hw.units
+    record, perf, ttft, decode = _lone_request(policy, chunk, prompt, output, hardware=hardware)
     assert perf.host_s(1) == pytest.approx(host)
-    ttft = perf.predict(ExecutionState(prefill_lens=(prompt,), prefill_units=units)).prefill_s
-    decode = [
-        perf.predict(ExecutionState(decode_ctx=(prompt + k,), decode_units=units)).decode_s
-        for k in range(1, output)
-    ]
     assert record.success and record.output_len == output
     assert record.ttft_s == pytest.approx(ttft + host, rel=1e-9)
     assert record.e2el_s - record.ttft_s == pytest.approx(sum(decode) + len(decode) * host)
@@ -101,28 +112,16 @@ def test_the_host_time_given_is_charged_after_each_step_or_beside_it(policy, chu
     has none); with `--host-overlap` a lone request's step takes the longer of the device's
     time and the host's, else their sum."""
     prompt, output, host = 400, 6, 2e-3 + 10e-3  # a step's host time: more than a decode's
-    config = _config(
+    record, perf, ttft, decode = _lone_request(
         policy,
         chunk,
-        device_memory_gib=80.0,
-        dataset="random",
-        num_prompts=1,
-        request_rates=(float("inf"),),
-        random_lengths=RandomLengths(prompt, output),
-        noise=0.0,
+        prompt,
+        output,
         host_s_per_step=2e-3,
         host_s_per_row=10e-3,
         host_overlap=overlap,
     )
-    record = simulate(config).runs[0].requests[0]
-    perf = setup(config).perf
     assert perf.host_s(1) == pytest.approx(host)
-    units = perf.hw.units
-    ttft = perf.predict(ExecutionState(prefill_lens=(prompt,), prefill_units=units)).prefill_s
-    decode = [
-        perf.predict(ExecutionState(decode_ctx=(prompt + k,), decode_units=units)).decode_s
-        for k in range(1, output)
-    ]
     assert max(decode) < host < ttft  # so that overlap hides the host's time only at the prompt
     if overlap:
         assert record.ttft_s == pytest.approx(ttft, rel=1e-9)

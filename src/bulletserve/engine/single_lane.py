@@ -129,28 +129,26 @@ class SingleLane:
         outputs = life.take_in()
         plan = self.policy.plan(self.snapshot())
         if self._in_flight is not None and self._waits_for_draw(plan):
-            outputs += self._land(self._in_flight)
-            self._in_flight = None
+            outputs += self._land_in_flight()
             plan = self.policy.plan(self.snapshot())
         step = begin_single_step(parts.book, plan)
         for request in step.preempted:
             request.state = RequestState.WAITING
         if not step.batch:
-            if self._in_flight is not None:
-                outputs += self._land(self._in_flight)
-                self._in_flight = None
-            return outputs
+            return outputs + self._land_in_flight()
         flight, logits = self._launch(step)
-        if self._in_flight is not None:
-            outputs += self._land(self._in_flight)
+        outputs += self._land_in_flight()
         self._draw(flight, logits)
         self._close(flight)
-        if self.async_scheduling:
-            self._in_flight = flight
-        else:
-            self._in_flight = None
-            outputs += self._land(flight)
+        self._in_flight = flight
+        if not self.async_scheduling:
+            outputs += self._land_in_flight()
         return outputs
+
+    def _land_in_flight(self) -> list[RequestOutput]:
+        """Read the step in flight back, if there is one (`_land`); none is in flight after."""
+        flight, self._in_flight = self._in_flight, None
+        return [] if flight is None else self._land(flight)
 
     def _waits_for_draw(self, plan: StepPlan) -> bool:
         """Whether the plan needs the step in flight read back first: it preempts (a request
