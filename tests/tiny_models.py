@@ -120,27 +120,64 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def write_llama_gguf(hf_folder: Path, path: Path, types: dict[str, str]) -> Path:
+def write_llama_gguf(
+    hf_folder: Path,
+    path: Path,
+    types: dict[str, str],
+    metadata: dict[str, object] | None = None,
+    tensors: dict[str, object] | None = None,
+    tokenizer_from: Path | None = None,
+) -> Path:
     """The tiny Llama of `hf_folder` as a GGUF file, as llama.cpp's converter lays it out (q/k
     rows permuted for its RoPE), each matrix quantized by the gguf package (llama.cpp's Python
-    reference quantizer) to `types[gguf tensor name without .weight]`, F32 where absent."""
+    reference quantizer) to `types[gguf tensor name without .weight]`, F32 where absent.
+
+    For crafted files: `metadata` overrides keys by their GGUF name (None drops one; a new
+    value keeps the old one's type, or is a string, a float or a uint32 as Python's type says);
+    `tensors` replaces tensors by GGUF name with these float arrays (None drops one);
+    `tokenizer_from` copies the tokenizer's metadata from that GGUF file (the default model's:
+    the tiny models share its vocabulary), making the file whole without --tokenizer."""
     import gguf
+    import numpy as np
     from safetensors.torch import load_file
 
     config = json.loads((hf_folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    uint32, float32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    fields: dict[str, tuple[object, object]] = {
+        "llama.block_count": (config["num_hidden_layers"], uint32),
+        "llama.context_length": (config["max_position_embeddings"], uint32),
+        "llama.embedding_length": (config["hidden_size"], uint32),
+        "llama.feed_forward_length": (config["intermediate_size"], uint32),
+        "llama.attention.head_count": (heads, uint32),
+        "llama.attention.head_count_kv": (kv_heads, uint32),
+        "llama.attention.layer_norm_rms_epsilon": (config["rms_norm_eps"], float32),
+        "llama.rope.freq_base": (config.get("rope_theta", 10000.0), float32),
+        "llama.vocab_size": (config["vocab_size"], uint32),
+        "tokenizer.ggml.bos_token_id": (config["bos_token_id"], uint32),
+        "tokenizer.ggml.eos_token_id": (config["eos_token_id"], uint32),
+    }
+    if tokenizer_from is not None:
+        source = gguf.GGUFReader(str(tokenizer_from))
+        for key, field in source.fields.items():
+            if key.startswith("tokenizer.") and key not in fields:
+                kind = field.types[0]
+                if kind == gguf.GGUFValueType.ARRAY:
+                    fields[key] = (field.contents(), kind, field.types[-1])
+                else:
+                    fields[key] = (field.contents(), kind)
+    for key, value in (metadata or {}).items():
+        if value is None:
+            fields.pop(key, None)
+        elif key in fields:
+            fields[key] = (value, *fields[key][1:])
+        else:
+            kind = {str: gguf.GGUFValueType.STRING, float: float32}.get(type(value), uint32)
+            fields[key] = (value, kind)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
+    for key, (value, kind, *sub) in fields.items():
+        writer.add_key_value(key, value, kind, sub[0] if sub else None)
+    arrays = {}
     for hf_name, tensor in sorted(load_file(str(hf_folder / "model.safetensors")).items()):
         if hf_name in _GGUF_GLOBAL_NAMES:
             name = _GGUF_GLOBAL_NAMES[hf_name]
@@ -155,6 +192,13 @@ def write_llama_gguf(hf_folder: Path, path: Path, types: dict[str, str]) -> Path
                 .swapaxes(1, 2)
                 .reshape(array.shape)
             )
+        arrays[name] = array
+    for name, array in (tensors or {}).items():
+        arrays[name] = array
+    for name, array in arrays.items():
+        if array is None:
+            continue
+        array = np.asarray(array, dtype=np.float32)
         kind = types.get(name.removesuffix(".weight").split(".")[-1])
         if kind is None:
             writer.add_tensor(name, array)

@@ -23,7 +23,7 @@ from bulletserve.model.config import ModelConfig
 from bulletserve.model.loader import load_model
 from bulletserve.model.presets import get_preset
 from bulletserve.model.source import resolve_model
-from tests.server.harness import running_app, wait_until
+from tests.server.harness import running_app, serving, wait_until
 from tests.tiny_models import make_hf_model, needs_default_model, random_prompts
 
 TP_ARGS = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
@@ -131,10 +131,13 @@ def test_a_dead_rank_fails_requests_with_a_clear_error(tiny_llama_dir, policy):
         llm.close()
 
 
-def test_the_server_streams_from_two_ranks_and_reports_a_dead_one(tiny_llama_dir, caplog):
+def test_the_server_streams_from_two_ranks_and_exits_when_one_dies(tiny_llama_dir, caplog):
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2, **TP_ARGS))
     try:
-        with running_app(engine) as url, httpx.Client(base_url=url, timeout=60) as client:
+        with (
+            serving(engine) as (url, server, thread),
+            httpx.Client(base_url=url, timeout=60) as client,
+        ):
             body = {"model": "tiny", "prompt": "one two three", "max_tokens": 6, "stream": True}
             body.update(temperature=0, ignore_eos=True)
             with client.stream("POST", "/v1/completions", json=body) as response:
@@ -151,7 +154,9 @@ def test_the_server_streams_from_two_ranks_and_reports_a_dead_one(tiny_llama_dir
             assert "rank" not in message and "gloo" not in message
             logged = [r for r in caplog.records if error_id in r.getMessage()]
             assert logged and "rank 1 exited" in str(logged[0].exc_info[1])
-            assert wait_until(lambda: client.get("/health").status_code != 200, timeout_s=10)
+            thread.join(15)  # the server shuts down by itself: a dead rank kills the engine
+            assert not thread.is_alive()
+            assert "rank 1 exited" in server.engine_failure
     finally:
         engine.shutdown()
 

@@ -1,6 +1,6 @@
 """Two data-parallel replicas on a local Ray instance behind one server: requests spread over
 both, a shared prefix stays on one, streaming works through the router, and the death of one
-replica is survived by the other."""
+replica is survived by the other; the server exits when none is left."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from bulletserve.engine.config import EngineConfig
-from tests.server.harness import need_tokenizer, running_app, wait_until
+from tests.server.harness import need_tokenizer, running_app, serving, wait_until
 
 ray = pytest.importorskip("ray")
 
@@ -103,3 +103,14 @@ def test_the_death_of_one_replica_is_survived_by_the_other(replicas):
         assert client.get("/health").status_code == 200
     assert wait_until(lambda: not replicas.loads()[0].healthy, timeout_s=10)
     assert replicas.loads()[1].healthy
+
+
+def test_the_server_exits_when_no_replica_is_left(replicas):
+    """The module's last test: it kills every replica. With none left to route to, the server
+    shuts down and says why (`bullet serve` then exits non-zero)."""
+    with serving(replicas) as (_, server, thread):
+        for index in (0, 1):
+            replicas.kill_replica(index)
+        thread.join(30)
+        assert not thread.is_alive()
+    assert "every replica has died" in server.engine_failure

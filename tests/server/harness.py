@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 from bulletserve.engine.async_engine import AsyncEngine
 from bulletserve.engine.config import EngineConfig
@@ -46,12 +47,28 @@ def running_app(
     engine: AsyncEngine, header_timeout_s: float | None = None, **settings: object
 ) -> Iterator[str]:
     """Serve `engine` on a free loopback port from a thread; yields the base URL."""
+    with serving(engine, header_timeout_s, **settings) as (url, _, _):
+        yield url
+
+
+@contextmanager
+def serving(
+    engine: AsyncEngine, header_timeout_s: float | None = None, **settings: object
+) -> Iterator[tuple[str, uvicorn.Server, threading.Thread]]:
+    """`running_app`, yielding the base URL, the uvicorn server and the thread it runs on."""
     settings.setdefault("served_model_name", "tiny")
     app = build_app(engine, ServerSettings(**settings))
     port = free_port()
     timeouts = {} if header_timeout_s is None else {"header_timeout_s": header_timeout_s}
     server = make_server(
-        app, "127.0.0.1", port, shutdown_timeout=5, log_level="warning", **timeouts
+        app,
+        "127.0.0.1",
+        port,
+        shutdown_timeout=5,
+        log_level="warning",
+        end_requests=app.state.end_requests,
+        engine_failure=app.state.engine_failure,
+        **timeouts,
     )
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
@@ -61,7 +78,7 @@ def running_app(
             raise RuntimeError("the in-process server did not start")
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server, thread
     finally:
         server.should_exit = True
         thread.join(15)

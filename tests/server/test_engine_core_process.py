@@ -1,14 +1,15 @@
 """The engine core in a process of its own (`--engine-core process`) behind the real server:
 the same greedy outputs as the in-process engine (streamed and whole, logprobs rebuilt from the
 deltas; and so under --async-scheduling), bad input refused as a 400, a client that leaves
-frees its blocks, and a core that dies ends every open stream with an error event and turns
-/health to 503."""
+frees its blocks, and a core that dies ends every open stream with an error event and the
+server exits (non-zero, as `bullet serve`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -18,7 +19,15 @@ import pytest
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.core_process import STATS_INTERVAL_S, CoreProcess
 from bulletserve.engine.sampling_params import SamplingParams
-from tests.server.harness import need_tokenizer, running_app, tiny_engine, wait_until
+from bulletserve.server.metrics import ServerMetrics
+from tests.server.harness import (
+    ServerProcess,
+    need_tokenizer,
+    running_app,
+    serving,
+    tiny_engine,
+    wait_until,
+)
 
 BODIES = [
     {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0},
@@ -132,12 +141,15 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_frees_its_blocks(core):
     assert 0 < stats.generation_tokens - before < 1000  # stopped early: aborted, not finished
 
 
-def test_a_core_that_dies_ends_the_open_streams_and_health_turns_503():
+def test_a_core_that_dies_ends_the_open_streams_and_the_server_exits():
     need_tokenizer()
     engine = CoreProcess(EngineConfig(model="tiny", load_format="dummy"))
     body = {"prompt": "Tell me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     try:
-        with running_app(engine) as url, httpx.Client(trust_env=False, timeout=60) as client:
+        with (
+            serving(engine) as (url, server, thread),
+            httpx.Client(trust_env=False, timeout=60) as client,
+        ):
             lines = []
             with client.stream("POST", url + "/v1/completions", json=body) as reply:
                 for line in filter(None, reply.iter_lines()):
@@ -145,11 +157,47 @@ def test_a_core_that_dies_ends_the_open_streams_and_health_turns_503():
                     if len(lines) == 3:
                         os.kill(engine._process.pid, signal.SIGKILL)
             events = [json.loads(x.removeprefix("data: ")) for x in lines[3:] if "{" in x]
-            assert events and events[-1]["error"]["code"] == 500, lines[-4:]
-            assert events[-1]["error"]["message"].startswith("the engine failed")
+            assert events and events[-1]["error"]["code"] in (500, 503), lines[-4:]
+            assert "engine" in events[-1]["error"]["message"]
             assert lines[-1] == "data: [DONE]"
-            assert client.get(url + "/health").status_code == 503
-            after = client.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-            assert after.status_code == 500
+            thread.join(15)
+            assert not thread.is_alive()  # the server shut down by itself
+        assert server.engine_failure == (
+            "EngineDeadError: the engine core exited (killed by SIGKILL)"
+        )
+        # A dead core's last figures are not reported as live.
+        metrics = ServerMetrics(engine, "tiny").render().decode()
+        assert 'bullet:engine_healthy{model_name="tiny"} 0.0' in metrics
+        assert "bullet:num_requests_running" not in metrics
     finally:
         engine.shutdown()
+
+
+def test_bullet_serve_exits_non_zero_when_its_core_dies_under_async_scheduling(tmp_path):
+    """As a supervisor sees it: `bullet serve --engine-core process --async-scheduling`, its
+    core killed under an open stream: the stream ends with an error event and [DONE], and the
+    server process exits 1 within seconds, its log saying why."""
+    need_tokenizer()
+    server = ServerProcess(
+        ["--model", "tiny", "--load-format", "dummy", "--engine-core", "process",
+         "--async-scheduling", "--shutdown-timeout", "5"],
+        tmp_path / "serve.log",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        core_pid = int(re.search(r"its own process \(pid (\d+)\)", server.log()).group(1))
+        body = {"prompt": "Tell me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.Client(trust_env=False, timeout=60) as client:
+            with client.stream("POST", server.url + "/v1/completions", json=body) as reply:
+                for line in filter(None, reply.iter_lines()):
+                    lines.append(line)
+                    if len(lines) == 3:
+                        os.kill(core_pid, signal.SIGKILL)
+        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        assert server.process.wait(timeout=30) == 1
+        assert "the engine has died (EngineDeadError: the engine core exited (killed by " in (
+            server.log()
+        )
+    finally:
+        server.stop()

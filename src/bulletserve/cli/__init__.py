@@ -6,6 +6,7 @@ import argparse
 import difflib
 import importlib
 import sys
+import traceback
 from typing import NoReturn
 
 # Subcommand name -> module under bulletserve.cli. Modules are imported lazily so that
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except CLIError as exc:
+        if exc.__cause__ is not None and getattr(args, "log_level", None) == "debug":
+            traceback.print_exception(exc.__cause__)
         print(f"bullet {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

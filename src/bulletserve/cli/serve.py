@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             engine = AsyncEngine(config)
     except (ModelNotFoundError, GGUFError, ValueError) as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(str(exc)) from exc  # the cause's traceback under --log-level debug
     for line in engine.describe():
         logger.info(line)
     settings = ServerSettings(
@@ -268,9 +268,11 @@ def run(args: argparse.Namespace) -> int:
         args.shutdown_timeout,
         args.log_level,
         end_requests=app.state.end_requests,
+        engine_failure=app.state.engine_failure,
     )
     try:
         server.run()
     finally:
         engine.shutdown()
-    return 0
+    # A dead engine ends the server with a failure, for its supervisor to restart it.
+    return 1 if server.engine_failure is not None else 0

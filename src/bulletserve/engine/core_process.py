@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -151,7 +152,7 @@ class CoreProcess:
         self._streams = StreamRegistry()
         self._outputs_so_far: dict[str, _Accumulated] = {}  # by request id, while streamed
         self._stats = EngineStats()
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
         self._stopping = False
         if not self._outputs.poll(START_TIMEOUT_S):
             self._process.kill()
@@ -175,7 +176,14 @@ class CoreProcess:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._process.poll() is None
+        return self.error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The core's fault, or its exit seen before its pipe's end was (a kill)."""
+        if self._error is None and not self._stopping and self._process.poll() is not None:
+            return EngineDeadError(f"the engine core exited ({exit_status(self._process)})")
+        return self._error
 
     @property
     def num_running(self) -> int:
@@ -270,16 +278,17 @@ class CoreProcess:
                     error = EngineDeadError(f"request {request_id}: {message}")
                     self._streams.hand_over([(request_id, error)])
                 elif kind == "dead":
-                    self.error = EngineDeadError(f"engine fault: {payload[0]}")
+                    self._error = EngineDeadError(f"engine fault: {payload[0]}")
                     break
         except (EOFError, OSError):
             if self._stopping:
                 return
             try:
-                code: int | str = self._process.wait(5)
+                self._process.wait(5)
+                status = exit_status(self._process)
             except subprocess.TimeoutExpired:
-                code = "none: it closed its pipe and runs on"
-            self.error = EngineDeadError(f"the engine core exited (exit code {code})")
+                status = "no exit code: it closed its pipe and runs on"
+            self._error = EngineDeadError(f"the engine core exited ({status})")
         logger.error("%s", self.error)
         self._streams.hand_over([(request_id, self.error) for request_id in self._streams.ids()])
 
@@ -292,6 +301,17 @@ class CoreProcess:
             if so_far is not None:
                 items.append((delta.request_id, so_far.apply(delta)))
         self._streams.hand_over(items)
+
+
+def exit_status(process: subprocess.Popen) -> str:
+    """How an ended child process ended, in words: its exit code, or the signal that killed it."""
+    code = process.returncode
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 # ---- the core's process ---------------------------------------------------------------------

@@ -38,6 +38,7 @@ from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.single_lane import SingleLane
 from bulletserve.model.decoder import DecoderLM
+from bulletserve.model.file_error import ModelFileError
 from bulletserve.model.loader import resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import TeamThread
@@ -129,6 +130,7 @@ class LLMEngine:
                 f"--max-model-len {self.max_model_len}: raise --kv-cache-memory or lower "
                 "--max-model-len"
             )
+        self._check_first_forward()
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)
@@ -161,6 +163,18 @@ class LLMEngine:
         self.policy = self.executor.policy
         if builds_gemm_kernels(self.model, self.device) and config.cpu_warmup_rows:
             self._warm_cpu_gemms()
+
+    def _check_first_forward(self) -> None:
+        """A short prompt through the loaded weights before anything is served: a file whose
+        weights compute NaN fails at load, naming the first layer that did (ModelFileError)."""
+        ids = self.front.tokenize("The capital of France is")[: self.pool.block_size]
+        blocks = self.pool.allocator.allocate(1)
+        try:
+            self.runner.check_finite(ids or [0], blocks)
+        except ModelFileError as exc:
+            raise exc.in_file(self.source.path or self.source.name) from None
+        finally:
+            self.pool.allocator.free(blocks)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if self.ranks is not None:

@@ -24,6 +24,7 @@ from bulletserve.model.cpu_kernels import (
     prefill_attention_kernel,
 )
 from bulletserve.model.decoder import DecoderLM, Linear, LogitsBuffer
+from bulletserve.model.file_error import ModelFileError
 
 # On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and the oneDNN packed projections
 # in any dtype; PyTorch's own fp32 GEMM goes to MKL, and our blocked one to our C, which do
@@ -445,6 +446,24 @@ class ModelRunner:
                     logits = self.logits(hidden, batch, out)
         return hidden, logits
 
+    @torch.inference_mode()
+    def check_finite(self, token_ids: list[int], block_table: list[int]) -> None:
+        """Run a short prompt through the model a layer at a time (as a layered prefill pass,
+        the other ranks with it) before anything is served: ModelFileError naming the first
+        part (the embedding, a layer, the LM head) whose output is not finite, as weights whose
+        bytes are of another format, or a NaN epsilon, make it."""
+        work = SeqWork(token_ids, 0, block_table, True)
+        device_pass = self.begin_pass([work])
+        if not bool(torch.isfinite(self.model.embed(device_pass.batch.input_ids)).all()):
+            raise _non_finite("the embedding's rows")
+        for layer in range(self.model.config.num_layers):
+            hidden, logits = self.run_layers(device_pass, layer, layer + 1)
+            device_pass.hidden = hidden
+            if not bool(torch.isfinite(hidden).all()):
+                raise _non_finite(f"layer {layer}'s output")
+        if logits is None or not bool(torch.isfinite(logits).all()):
+            raise _non_finite("the LM head's logits")
+
     def logits(
         self, hidden: torch.Tensor, batch: StepBatch, out: LogitsBuffer | None = None
     ) -> torch.Tensor:
@@ -486,6 +505,10 @@ class ModelRunner:
                         strict=True,
                     )
                 ]
+
+
+def _non_finite(what: str) -> ModelFileError:
+    return ModelFileError(what, "finite values for a short prompt", "NaN or infinite values")
 
 
 def warm_cpu_gemms(

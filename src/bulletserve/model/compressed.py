@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from bulletserve.model.file_error import ModelFileError
 from bulletserve.model.quantized import PackedFormat, PackedPart
 
 METHOD = "compressed-tensors"
@@ -110,6 +111,40 @@ def _as_blocks(values: torch.Tensor, scale: torch.Tensor, name: str, bits: int) 
     return PackedPart(PackedFormat.Q8_0, data.reshape(out, -1).contiguous(), width)
 
 
+def _weight_shape(
+    stored: torch.Tensor | None, stem: str, words: torch.Tensor, bits: int
+) -> torch.Size:
+    """A pack-quantized matrix's [rows, columns] (its `weight_shape` tensor), checked against
+    the int32 words that hold its values."""
+    name = stem + ".weight_shape"
+    if stored is None or stored.numel() != 2:
+        found = "none" if stored is None else f"shape {list(stored.shape)}"
+        raise ModelFileError(name, "two integers [rows, columns]", found)
+    rows, columns = (int(v) for v in stored.tolist())
+    per_word = 32 // bits
+    if words.ndim != 2 or (rows, -(-columns // per_word)) != tuple(words.shape):
+        raise ModelFileError(
+            name,
+            f"the shape of {stem}.weight_packed's {list(words.shape)} int32 words "
+            f"({per_word} values a word)",
+            [rows, columns],
+        )
+    return torch.Size((rows, columns))
+
+
+def _check_scale(scale: torch.Tensor, name: str, shape: torch.Size) -> None:
+    """A matrix's scales: [rows] or [rows, 1] per channel, [rows, groups] with the groups
+    dividing its columns per group."""
+    rows, columns = shape
+    groups = scale.shape[1] if scale.ndim == 2 else 1
+    if scale.ndim not in (1, 2) or scale.shape[0] != rows or groups < 1 or columns % groups:
+        raise ModelFileError(
+            name,
+            f"shape [{rows}, G] with G groups dividing the weight's {columns} columns",
+            f"shape {list(scale.shape)}",
+        )
+
+
 def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -121,7 +156,15 @@ def read_compressed(
     folder: Path, packed: bool
 ) -> tuple[dict[str, PackedPart], dict[str, torch.Tensor]]:
     """(the integer matrices as Q8_0 or Q4_0 parts, the float tensors) by Hugging Face name;
-    with `packed` False every matrix dequantized to fp32 instead (`--quantization none`)."""
+    with `packed` False every matrix dequantized to fp32 instead (`--quantization none`).
+    ModelFileError naming the folder and tensor where a scale or shape is wrong."""
+    try:
+        return _read(folder, packed)
+    except ModelFileError as exc:
+        raise exc.in_file(folder) from None
+
+
+def _read(folder: Path, packed: bool) -> tuple[dict[str, PackedPart], dict[str, torch.Tensor]]:
     from compressed_tensors.compressors import unpack_from_int32
 
     bits = check_scheme(folder)
@@ -137,7 +180,7 @@ def read_compressed(
             floats[name] = tensor
             continue
         if name.endswith(".weight_packed"):  # pack-quantized: values in int32 words
-            shape = torch.Size(tensors[stem + ".weight_shape"].tolist())
+            shape = _weight_shape(tensors.get(stem + ".weight_shape"), stem, tensor, bits)
             values = unpack_from_int32(tensor, bits, shape)
         elif tensor.dtype == torch.int8 and bits == 8:
             values = tensor
@@ -145,6 +188,7 @@ def read_compressed(
             raise ValueError(
                 f"{name}: {tensor.dtype} values beside a scale, for {bits}-bit weights"
             )
+        _check_scale(scale, stem + ".weight_scale", values.shape)
         weight_name = stem + ".weight"
         if packed:
             parts[weight_name] = _as_blocks(values, scale, name, bits)

@@ -7,6 +7,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bulletserve.model.file_error import (
+    MAX_LAYERS,
+    ModelFileError,
+    check_int,
+    check_positive_finite,
+    is_token_id,
+    shown,
+)
+
 # Hugging Face `architectures` entries we implement, mapped to our family name.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -73,6 +82,44 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
+    def check(self, pad_token_id: object = None) -> None:
+        """ModelFileError (naming the Hugging Face key) unless the values are in range and
+        consistent with each other (model/checks.py)."""
+        sizes = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        for key in sizes:
+            check_int(sizes, key, 1)
+        check_int({"num_hidden_layers": self.num_layers}, "num_hidden_layers", 1, MAX_LAYERS)
+        if self.hidden_size % self.num_heads:
+            expected = f"a divisor of hidden_size {self.hidden_size}"
+            raise ModelFileError("num_attention_heads", expected, self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            expected = f"a divisor of num_attention_heads {self.num_heads}"
+            raise ModelFileError("num_key_value_heads", expected, self.num_kv_heads)
+        if self.head_dim % 2:
+            raise ModelFileError("head_dim", "an even number (RoPE rotates pairs)", self.head_dim)
+        check_positive_finite("rms_norm_eps", self.rms_norm_eps)
+        check_positive_finite("rope_theta", self.rope_theta)
+        scaling = self.rope_scaling
+        if scaling.rope_type != "default":
+            for key in ("factor", "low_freq_factor", "high_freq_factor"):
+                check_positive_finite(f"rope_scaling.{key}", getattr(scaling, key))
+            key = "rope_scaling.original_max_position_embeddings"
+            check_int({key: scaling.original_max_position_embeddings}, key, 1)
+        vocabulary = f"a token id in [0, {self.vocab_size})"
+        ids = [("bos_token_id", self.bos_token_id), ("pad_token_id", pad_token_id)]
+        ids += [("eos_token_id", eos) for eos in self.eos_token_ids]
+        for key, value in ids:
+            if value is not None and not is_token_id(value, self.vocab_size):
+                raise ModelFileError(key, vocabulary, shown(value))
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
@@ -116,20 +163,20 @@ class ModelConfig:
                 f"unsupported MLP: hidden_act={cfg.get('hidden_act')!r}, "
                 f"mlp_bias={cfg.get('mlp_bias')}"
             )
-        num_heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
+        num_heads = check_int(cfg, "num_attention_heads", 1)
+        hidden = check_int(cfg, "hidden_size", 1)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
+        config = cls(
             family=family,
-            vocab_size=cfg["vocab_size"],
+            vocab_size=check_int(cfg, "vocab_size", 1),
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            intermediate_size=check_int(cfg, "intermediate_size", 1),
+            num_layers=check_int(cfg, "num_hidden_layers", 1, MAX_LAYERS),
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            num_kv_heads=_int_or(cfg, "num_key_value_heads", num_heads),
+            head_dim=_int_or(cfg, "head_dim", hidden // num_heads),
+            max_position_embeddings=_int_or(cfg, "max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(cfg),
             rope_scaling=_rope_scaling(cfg),
@@ -139,10 +186,17 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        config.check(cfg.get("pad_token_id"))
+        return config
 
     @classmethod
     def from_json_file(cls, path: Path) -> ModelConfig:
         return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+
+def _int_or(cfg: dict[str, Any], key: str, default: int) -> int:
+    """`cfg[key]`, checked, where it is set (None: Hugging Face's "derive it")."""
+    return check_int(cfg, key, 1) if cfg.get(key) is not None else default
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -11,6 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from bulletserve.model.checks import check_shapes
+from bulletserve.model.config import ModelConfig
+from bulletserve.model.file_error import ModelFileError
 from bulletserve.model.quantized import PackedFormat, PackedPart
 from bulletserve.model.source import ModelNotFoundError
 
@@ -61,6 +64,7 @@ def read_gguf(
 
     reader = _reader(path)
     config = _config(reader, path)
+    _check(reader, config, path)
     arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor | PackedPart] = {}
@@ -104,11 +108,6 @@ def read_gguf(
     return config, tensors
 
 
-def read_gguf_config(path: Path) -> dict[str, Any]:
-    """The Hugging Face config of a GGUF file, from its metadata alone."""
-    return _config(_reader(path), path)
-
-
 def _config(reader: Any, path: Path) -> dict[str, Any]:
     meta = {name: _field_value(field) for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
@@ -120,6 +119,49 @@ def _config(reader: Any, path: Path) -> dict[str, Any]:
     config = _hf_config(meta, arch, reader)
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     return config
+
+
+def check_tokenizer_fields(path: Path) -> None:
+    """GGUFError naming the metadata a tokenizer is built from where the file lacks it (the
+    vocabulary, and its merges or its scores), before transformers reads it."""
+    fields = _reader(path).fields
+    missing = [
+        key for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if key not in fields
+    ]
+    if not missing and "tokenizer.ggml.merges" not in fields:
+        if "tokenizer.ggml.scores" not in fields:
+            missing.append("tokenizer.ggml.merges (or tokenizer.ggml.scores)")
+    if missing:
+        raise GGUFError(
+            f"{path}: the tokenizer's metadata lacks {', '.join(missing)}; --tokenizer names "
+            "a tokenizer folder to use instead"
+        )
+
+
+def checked_config(path: Path) -> tuple[dict[str, Any], ModelConfig]:
+    """The file's Hugging Face config and the model config from it, each value and every
+    tensor's shape (from the file's header: no weight is read) checked against it."""
+    reader = _reader(path)
+    config = _config(reader, path)
+    return config, _check(reader, config, path)
+
+
+def _check(reader: Any, config: dict[str, Any], path: Path) -> ModelConfig:
+    """ModelFileError naming the file and the GGUF key or tensor where the metadata's values
+    or a tensor's shape are wrong."""
+    try:
+        model_config = ModelConfig.from_hf_dict(config)
+        shapes = {}
+        for tensor in reader.tensors:
+            hf_name = _hf_name(tensor.name)
+            if hf_name is not None:
+                # GGUF lists dimensions innermost first: [columns, rows].
+                shapes[hf_name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        check_shapes(model_config, shapes)
+    except ModelFileError as exc:
+        names = {exc.what: gguf_tensor_name(exc.what)} | config_keys(config["model_type"])
+        raise exc.in_file(path, names) from None
+    return model_config
 
 
 def _reader(path: Path) -> Any:
@@ -158,34 +200,76 @@ def _hf_config(meta: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]:
             raise GGUFError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab = meta.get(f"{arch}.vocab_size", len(tokens))
+    if isinstance(vocab, int) and len(tokens) > vocab:
+        raise GGUFError(
+            f"tokenizer.ggml.tokens holds {len(tokens)} tokens, more than {arch}.vocab_size {vocab}"
+        )
+    # Values as the file holds them: ModelConfig checks them, naming the keys (`config_keys`).
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length", hidden // heads)),
-        "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "vocab_size": vocab,
+        "hidden_size": get("embedding_length"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": get("attention.head_count"),
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv"),
+        "head_dim": meta.get(f"{arch}.attention.key_length"),
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         config["rope_scaling"] = {
             "rope_type": "linear",
-            "factor": meta[f"{arch}.rope.scaling.factor"],
+            "factor": get("rope.scaling.factor"),
         }
     elif scaling_type not in (None, "none"):
         raise GGUFError(f"unsupported GGUF rope scaling {scaling_type!r}")
     return config
+
+
+def config_keys(arch: str) -> dict[str, str]:
+    """Hugging Face config key -> the GGUF metadata key it is read from, for messages."""
+    keys = {
+        "vocab_size": "vocab_size",
+        "hidden_size": "embedding_length",
+        "intermediate_size": "feed_forward_length",
+        "num_hidden_layers": "block_count",
+        "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv",
+        "head_dim": "attention.key_length",
+        "max_position_embeddings": "context_length",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        "rope_theta": "rope.freq_base",
+        "rope_scaling.factor": "rope.scaling.factor",
+    }
+    return {
+        **{hf: f"{arch}.{key}" for hf, key in keys.items()},
+        "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_id": "tokenizer.ggml.eos_token_id",
+        "pad_token_id": "tokenizer.ggml.padding_token_id",
+    }
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF file's name of a tensor read under `hf_name` (itself where none maps)."""
+    if hf_name in _HF_GLOBAL:
+        return _HF_GLOBAL[hf_name]
+    match = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf_name)
+    if match and match.group(2) in _HF_LAYER:
+        return f"blk.{match.group(1)}.{_HF_LAYER[match.group(2)]}"
+    return hf_name
+
+
+_HF_GLOBAL = {hf: gguf for gguf, hf in _GLOBAL_TENSORS.items()}
+_HF_LAYER = {hf: gguf for gguf, hf in _LAYER_TENSORS.items()}
 
 
 def _field_value(field: Any) -> Any:

@@ -14,10 +14,12 @@ from safetensors.torch import save_file
 
 from bulletserve.dist.parallel import TensorParallel
 from bulletserve.model import compressed
+from bulletserve.model.checks import check_fits, check_shapes
 from bulletserve.model.config import ModelConfig
 from bulletserve.model.cpu_kernels import fused_ops, packed_linear_kernel
 from bulletserve.model.decoder import DecoderLM
-from bulletserve.model.gguf_reader import read_gguf, read_gguf_config
+from bulletserve.model.file_error import ModelFileError
+from bulletserve.model.gguf_reader import checked_config, read_gguf
 from bulletserve.model.presets import get_preset
 from bulletserve.model.quantized import (
     PackedFormat,
@@ -80,10 +82,16 @@ def _is_embedded_default(source: ModelSource) -> bool:
 
 
 def load_config(source: ModelSource) -> ModelConfig:
+    """The model's config, its values checked (`checks.check_config`: ModelFileError naming
+    the file and key)."""
     if source.load_format == "dummy" and source.preset is not None:
         return get_preset(source.preset)
     if source.load_format in ("safetensors", "dummy"):
-        return ModelConfig.from_json_file(source.path / "config.json")
+        path = source.path / "config.json"
+        try:
+            return ModelConfig.from_json_file(path)
+        except ModelFileError as exc:
+            raise exc.in_file(path) from None
     return ModelConfig.from_json_file(_gguf_config(source.path))
 
 
@@ -152,6 +160,11 @@ def load_model(
     config = load_config(source)
     ranks = 1 if tp is None else tp.size
     quantization, quantized_kernel = resolve_quantization(quantization, source, device, ranks)
+    try:
+        # The whole model is laid out at `dtype` first (packed weights replace their part).
+        check_fits(config.sharded(ranks), dtype.itemsize, device_memory(device), device.type)
+    except ModelFileError as exc:
+        raise exc.in_file(source.path) from None
     with torch.device("meta"):
         model = DecoderLM(config, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
@@ -159,11 +172,14 @@ def load_model(
     is_compressed = source.load_format == "safetensors" and (
         compressed.quantization_method(source.path) == compressed.METHOD
     )
+    # Every tensor's shape is checked against the config before it is copied in: a GGUF file's
+    # as it is read (gguf_reader), a folder's from its headers, a compressed one's as unpacked.
     if source.load_format == "dummy":
         _fill_random(model, seed)
     elif quantized_kernel is not None:
         if is_compressed:
             packed, floats = compressed.read_compressed(source.path, packed=True)
+            _check_read(config, packed, floats, source.path)
         else:
             packed, floats = _packed_gguf(source.path)
         unpacked = model.use_quantized_weights(packed, quantized_kernel)
@@ -172,12 +188,13 @@ def load_model(
         if tp is not None and tp.size > 1:
             raise ValueError("a compressed-tensors checkpoint is not sharded over ranks yet")
         _, dequantized = compressed.read_compressed(source.path, packed=False)
+        _check_read(config, {}, dequantized, source.path)
         model.load_hf_weights(list(dequantized.items()))
+    elif source.load_format == "safetensors":
+        _check_folder(config, source.path)
+        model.load_hf_weights(_safetensors_weights(source.path, model))
     else:
-        folder = (
-            source.path if source.load_format == "safetensors" else _converted_gguf(source.path)
-        )
-        model.load_hf_weights(_safetensors_weights(folder, model))
+        model.load_hf_weights(_safetensors_weights(_converted_gguf(source.path), model))
     model.use_fused_ops(fused_ops(dtype, device))
     with torch.inference_mode():
         float_weights = model.layer_projection_weights()
@@ -193,6 +210,41 @@ def load_model(
         # The lanes run on streams of their own, which do not wait for the default stream.
         torch.cuda.synchronize(device)
     return model.eval()
+
+
+def device_memory(device: torch.device) -> int:
+    """The device's whole memory in bytes (a GPU's, or this machine's for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_folder(config: ModelConfig, folder: Path) -> None:
+    """Each tensor's shape in a safetensors folder (from the files' headers) against the config;
+    ModelFileError naming the file that holds a wrong one."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    files: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+                files[name] = file
+    try:
+        check_shapes(config, shapes)
+    except ModelFileError as exc:
+        raise exc.in_file(files.get(exc.what, folder)) from None
+
+
+def _check_read(
+    config: ModelConfig, packed: dict[str, PackedPart], floats: dict[str, torch.Tensor], path: Path
+) -> None:
+    """The shapes of a checkpoint's tensors as read (packed matrices by their rows and columns)."""
+    shapes = {name: (part.rows, part.in_features) for name, part in packed.items()}
+    shapes |= {name: tuple(tensor.shape) for name, tensor in floats.items()}
+    try:
+        check_shapes(config, shapes)
+    except ModelFileError as exc:
+        raise exc.in_file(path) from None
 
 
 def _safetensors_weights(folder: Path, model: DecoderLM) -> Iterator[tuple[str, torch.Tensor]]:
@@ -249,8 +301,7 @@ def _gguf_config(gguf_file: Path) -> Path:
     to parse a file's metadata (its vocabulary's arrays)."""
     folder = cache_dir_for(gguf_file, "config") / "config"
     if not (folder / "config.json").exists():
-        config = read_gguf_config(gguf_file)
-        ModelConfig.from_hf_dict(config)  # validate before writing anything
+        config, _ = checked_config(gguf_file)  # its values and shapes, before anything is written
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -296,8 +347,7 @@ def _converted_gguf(gguf_file: Path) -> Path:
     folder = cache_dir_for(gguf_file, "weights") / "weights"
     if (folder / "model.safetensors").exists():
         return folder
-    hf_config, tensors = read_gguf(gguf_file)
-    ModelConfig.from_hf_dict(hf_config)  # validate before writing anything
+    hf_config, tensors = read_gguf(gguf_file)  # checked as it is read
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from bulletserve.model.gguf_reader import check_tokenizer_fields
 from bulletserve.model.source import (
     ModelSource,
     cache_dir_for,
@@ -48,6 +49,7 @@ def _gguf_tokenizer(gguf_file: Path) -> PreTrainedTokenizerBase:
     with _lock:
         if (cache / "tokenizer_config.json").exists():
             return AutoTokenizer.from_pretrained(str(cache))
+        check_tokenizer_fields(gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")

@@ -105,13 +105,21 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": bulletserve.__version__})
 
-    # What the server runs at its shutdown timeout: end every open stream (launch.make_server).
-    app.state.end_requests = lambda: engine.end_streams(
-        "the server shut down before the request finished"
-    )
+    # What the server runs at its shutdown timeout or when the engine dies: end every open
+    # stream with this message; and why the engine has died, if it has (launch.make_server).
+    app.state.end_requests = engine.end_streams
+    app.state.engine_failure = lambda: engine_failure(engine)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def engine_failure(engine: EngineClient) -> str | None:
+    """Why the engine has died, or None while it serves."""
+    if engine.healthy:
+        return None
+    error = engine.error
+    return f"{type(error).__name__}: {error}" if error is not None else "it stopped without a word"

@@ -5,12 +5,19 @@ up to `shutdown_timeout` seconds. Shortly before that deadline the server ends w
 itself (`end_requests`: a 503, or a stream's error event and `[DONE]`, each aborting its
 request), because uvicorn would then cancel the tasks, cutting streams mid-body. Unlike
 uvicorn's own handling, the signal is not re-raised afterwards, so the process exits 0.
+
+When the engine dies (its thread's fault, its core process killed, a tensor-parallel rank gone,
+every replica lost) the server does not stay up answering 503: within a tick (0.1 s) it logs
+why, ends the open streams with an error event, shuts down as on a signal and records the
+failure (`engine_failure`), for `bullet serve` to exit non-zero so that a supervisor (systemd,
+Kubernetes, Ray) restarts it, as vLLM's server does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -18,6 +25,8 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI
+
+logger = logging.getLogger(__name__)
 
 # Benchmark clients (vLLM's, on aiohttp) keep idle pooled connections for up to 60 s; a server
 # that closes them sooner makes the next request on one fail with a reset.
@@ -87,9 +96,31 @@ END_REQUESTS_LEAD_S = 1.0
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, end_requests: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        end_requests: Callable[[str], None] | None,
+        engine_failure: Callable[[], str | None] | None,
+    ) -> None:
         super().__init__(config)
         self._end_requests = end_requests
+        self._engine_failure = engine_failure
+        self.engine_failure: str | None = None  # why the engine died, once it has
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.engine_failure is None and self._engine_failure is not None:
+            failure = self._engine_failure()
+            if failure is not None:
+                self.engine_failure = failure
+                logger.error(
+                    "the engine has died (%s): the server exits so that its supervisor can "
+                    "restart it",
+                    failure,
+                )
+                if self._end_requests is not None:
+                    self._end_requests(f"the engine has died ({failure}); the server is exiting")
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         ending = None
@@ -105,7 +136,7 @@ class _Server(uvicorn.Server):
         timeout = self.config.timeout_graceful_shutdown or 0.0
         await asyncio.sleep(max(timeout - END_REQUESTS_LEAD_S, timeout / 2))
         if self.server_state.tasks:
-            self._end_requests()
+            self._end_requests("the server shut down before the request finished")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -127,11 +158,13 @@ def make_server(
     port: int,
     shutdown_timeout: float,
     log_level: str = "info",
-    end_requests: Callable[[], None] | None = None,
+    end_requests: Callable[[str], None] | None = None,
     header_timeout_s: float = HEADER_TIMEOUT_S,
-) -> uvicorn.Server:
-    """uvicorn serving `app`; `end_requests` ends the requests still open shortly before the
-    shutdown timeout (see the module's note)."""
+    engine_failure: Callable[[], str | None] | None = None,
+) -> _Server:
+    """uvicorn serving `app`; `end_requests(message)` ends the requests still open shortly
+    before the shutdown timeout, and when `engine_failure()` names why the engine died, the
+    server ends them and shuts down (see the module's note)."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -142,4 +175,4 @@ def make_server(
         log_level=log_level,
         access_log=False,
     )
-    return _Server(config, end_requests)
+    return _Server(config, end_requests, engine_failure)

@@ -35,7 +35,17 @@ class _EngineCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats, labels = self.engine.stats(), [self.model_name]
+        labels = [self.model_name]
+        healthy = GaugeMetricFamily(
+            "bullet:engine_healthy",
+            "1 while the engine serves, 0 once it has died.",
+            labels=["model_name"],
+        )
+        healthy.add_metric(labels, float(self.engine.healthy))
+        yield healthy
+        if not self.engine.healthy:
+            return  # a dead engine's last figures are not live: none are reported
+        stats = self.engine.stats()
         families = [
             (
                 "bullet:num_requests_running",

@@ -50,6 +50,8 @@ class StatsLog:
         self._last = (time.monotonic(), self.engine.stats())
         while True:
             await asyncio.sleep(self.interval_s)
+            if not self.engine.healthy:
+                return  # a dead engine's last figures are not live; the server is exiting
             text = self.line(self.engine.stats(), time.monotonic())
             if text is not None:
                 logger.info(text)
