@@ -167,10 +167,12 @@ class LLMEngine:
     def _check_first_forward(self) -> None:
         """A short prompt through the loaded weights before anything is served: a file whose
         weights compute NaN fails at load, naming the first layer that did (ModelFileError)."""
-        ids = self.front.tokenize("The capital of France is")[: self.pool.block_size]
+        length = min(self.pool.block_size, self.max_model_len)
+        vocab = self.model_config.vocab_size
+        ids = [t for t in self.front.tokenize("The capital of France is") if t < vocab]
         blocks = self.pool.allocator.allocate(1)
         try:
-            self.runner.check_finite(ids or [0], blocks)
+            self.runner.check_finite((ids or list(range(vocab)))[:length], blocks)
         except ModelFileError as exc:
             raise exc.in_file(self.source.path or self.source.name) from None
         finally:
