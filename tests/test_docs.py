@@ -44,7 +44,7 @@ def _named_paths(text: str) -> set[str]:
     paths = set()
     for line in _code_texts(text):
         words = line.replace("=", " ").split()
-        for before, word in zip(["", *words[:-1]], words, strict=True):
+        for before, word in zip(["", *words][: len(words)], words, strict=True):
             word = word.strip("'\",;()")
             if (
                 not _OUTPUT.match(before)
