@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from bulletserve.engine.grammar_limits import (
+    MAX_OPTIONAL_PROPERTY_WEIGHT,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_ENUM,
     MAX_SCHEMA_PROPERTIES,
@@ -74,8 +75,9 @@ def test_a_schema_too_deep_or_too_wide_is_refused_before_compiling():
         deep = {"type": "array", "items": deep}
     with pytest.raises(GrammarLimitError, match="levels deep"):
         check_schema(deep)
-    wide = {"type": "object", "properties": {f"p{i}": {} for i in range(MAX_SCHEMA_PROPERTIES + 1)}}
-    with pytest.raises(GrammarLimitError, match="properties"):
+    names = [f"p{i}" for i in range(MAX_SCHEMA_PROPERTIES + 1)]
+    wide = {"type": "object", "properties": dict.fromkeys(names, {}), "required": names}
+    with pytest.raises(GrammarLimitError, match="513 properties, more than 512"):
         check_schema(wide)
     with pytest.raises(GrammarLimitError, match="enum"):
         check_schema({"enum": list(range(MAX_SCHEMA_ENUM + 1))})
@@ -83,6 +85,29 @@ def test_a_schema_too_deep_or_too_wide_is_refused_before_compiling():
     for _ in range(100_000):  # walked without recursion
         very_deep = [very_deep]
     check_schema(very_deep)
+
+
+def test_optional_properties_are_bounded_by_their_count_times_their_names_length():
+    """128 optional properties of 32-character names weigh 2^19, the bound (their compiled
+    grammar: 32 MB, 2.3 s from request to grammar on 2 cores); one character more is refused,
+    and so is the same weight spread over two objects; required properties weigh nothing."""
+
+    def names(count: int, length: int, tag: str = "") -> list[str]:
+        return [(f"{tag}{i:04d}" + "x" * length)[:length] for i in range(count)]
+
+    def obj(properties: list[str], required: list[str] = ()) -> dict:
+        return {"type": "object", "properties": dict.fromkeys(properties, {}), "required": required}
+
+    check_schema(obj(names(128, 32)))
+    assert 128 * 128 * 32 == MAX_OPTIONAL_PROPERTY_WEIGHT
+    heavier = names(128, 32)
+    heavier[0] += "y"
+    with pytest.raises(GrammarLimitError, match="optional properties weigh 524,416 by its"):
+        check_schema(obj(heavier))
+    half = obj(names(91, 32, "a"))  # 91 x 91 x 32 = 264,992: two of them pass the bound
+    with pytest.raises(GrammarLimitError, match=r"at properties.(first|second), more than 524,288"):
+        check_schema({**obj(["first", "second"]), "properties": {"first": half, "second": half}})
+    check_schema(obj(names(512, 64), required=names(512, 64)))
 
 
 @pytest.fixture(scope="module")

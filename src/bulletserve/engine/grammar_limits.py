@@ -6,7 +6,14 @@ keyword, rather than served with outputs that break it (vLLM checks the same way
 Each bound comes from measured compile times on the embedded model's tokenizer (49,152
 tokens, xgrammar 0.2.9, one core): an object of 1,000 optional properties took 0.9 s and
 2,000 took 35 s; an enum of 20,000 strings 4.9 s; objects nested 128 deep 0.4 s and 320 deep
-3.2 s. The compile deadline (`GrammarLimits.compile_timeout_s`) bounds whatever slips past them.
+3.2 s. What a compile costs the server is more than xgrammar's compile: the compiled grammar
+comes back from its compiler process serialized, and for optional properties its size grows as
+their count times their names' total length (every subset of them is a state with its own token
+masks): 512 optional properties of 4-character names serialize to 96 MB of JSON, 10.7 s on a
+2-core AMD EPYC guest from request to grammar; 128 of 32 characters (a product of 2^19) to 32 MB,
+2.3 s. So the sum over a schema's objects of optional properties x their names' characters is
+bounded by `MAX_OPTIONAL_PROPERTY_WEIGHT`, a quarter of the default deadline. The compile
+deadline (`GrammarLimits.compile_timeout_s`) bounds whatever slips past them all.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ DEFAULT_COMPILE_WORKERS = 1
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_PROPERTIES = 512  # properties of one object
 MAX_SCHEMA_ENUM = 4096  # values of one enum
+# Over a whole schema, each object's optional properties x their names' characters, summed.
+MAX_OPTIONAL_PROPERTY_WEIGHT = 1 << 19
 # Keywords xgrammar 0.2.9 accepts and does not enforce: each was checked with an output that
 # breaks it and that the compiled grammar allowed. `format` values it does not know, and the
 # content* annotations, are annotations in JSON Schema 2020-12 and stay accepted.
@@ -79,6 +88,7 @@ def check_schema(schema: Any) -> None:
     keyword xgrammar does not enforce; walked without recursion, so no depth overflows it."""
     root = schema if isinstance(schema, dict) else {}
     stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
+    weight = 0
     while stack:
         node, path, depth = stack.pop()
         if isinstance(node, list):
@@ -91,11 +101,31 @@ def check_schema(schema: Any) -> None:
                 f"the schema nests more than {MAX_SCHEMA_DEPTH} levels deep (at {path or 'top'})"
             )
         _check_keywords(node, path or "the top level", root)
+        weight += _optional_property_weight(node)
+        if weight > MAX_OPTIONAL_PROPERTY_WEIGHT:
+            raise GrammarLimitError(
+                f"the schema's optional properties weigh {weight:,} by its object at "
+                f"{path or 'the top level'}, more than {MAX_OPTIONAL_PROPERTY_WEIGHT:,} (an "
+                "object's optional properties x their names' characters, summed over the "
+                "schema): the compiled grammar would be too large; make properties required "
+                "or the object smaller"
+            )
         for key, value in node.items():
             if key in ("enum", "const", "default", "examples", "required"):
                 continue  # values, not subschemas
             if isinstance(value, dict | list):
                 stack.append((value, f"{path}.{key}" if path else key, depth + 1))
+
+
+def _optional_property_weight(node: dict[str, Any]) -> int:
+    """An object's optional properties x their names' characters (see the module's note)."""
+    properties = node.get("properties")
+    if not isinstance(properties, dict):
+        return 0
+    required = node.get("required")
+    required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    optional = [name for name in properties if name not in required]
+    return len(optional) * sum(len(name) for name in optional)
 
 
 def _check_keywords(node: dict[str, Any], where: str, root: dict[str, Any]) -> None:
