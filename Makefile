@@ -33,8 +33,8 @@ serve: $(STAMP)
 	$(BIN)/bullet serve --host 127.0.0.1 --port $(PORT) $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts
-	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests scripts benchmarks
+	$(BIN)/ruff format --check src tests scripts benchmarks
 	# The import layers and the torch-free scheduling side (pyproject.toml, [tool.importlinter]).
 	$(BIN)/lint-imports --no-cache
 
@@ -42,8 +42,8 @@ test: lint
 	$(BIN)/pytest -q -x --durations=15
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix src tests scripts
-	$(BIN)/ruff format src tests scripts
+	$(BIN)/ruff check --fix src tests scripts benchmarks
+	$(BIN)/ruff format src tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -233,7 +233,7 @@ def test_gpu_steps_script_predicts_each_measured_step_of_the_device_check():
 
     root = Path(__file__).parents[2]
     spec = importlib.util.spec_from_file_location(
-        "gpu_steps_vs_model", root / "scripts" / "gpu_steps_vs_model.py"
+        "gpu_steps_vs_model", root / "benchmarks" / "gpu_steps_vs_model.py"
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

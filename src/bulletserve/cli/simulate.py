@@ -144,7 +144,7 @@ def _add_device_args(
         "--host-us-per-row",
         type=float,
         help="the engine's host time a sampled row (default: the profile's; "
-        "scripts/engine_host_cost.py measures a host's)",
+        "benchmarks/engine_host_cost.py measures a host's)",
     )
     group.add_argument(
         "--host-overlap",
@@ -209,7 +209,7 @@ def _add_studies(studies: argparse._SubParsersAction) -> None:
         "--profile-per-run",
         action="store_true",
         help="replay each run on the profile taken right before it (LABEL.rate-R.profile.json "
-        "beside the result file: scripts/bench_lanes_cpu.py --profile-each-run)",
+        "beside the result file: benchmarks/bench_lanes_cpu.py --profile-each-run)",
     )
     fidelity.add_argument("--model", default="smollm2-135m", help="model preset or config.json")
     fidelity.add_argument("--policy", help="the served policy, when labels do not say")

@@ -11,7 +11,7 @@ Engine settings default to `bullet serve`'s; the KV pool is unbounded unless
 --num-gpu-blocks-override gives the server's.
 
 --profile-per-run: replay each run on the quick profile taken right before it
-(`scripts/bench_lanes_cpu.py --interleave --profile-each-run`), so that the machine's speed of
+(`benchmarks/bench_lanes_cpu.py --interleave --profile-each-run`), so that the machine's speed of
 the moment, which swung 2x within half an hour, is not counted against the simulator.
 
 --served-speed (a diagnostic, not the fidelity test): scale each run's predicted steps, per
@@ -251,7 +251,7 @@ def served_speed(steps: list[StepRecord], perf: CachedPerfModel) -> ServedSpeed:
 
 
 def run_profile(path: Path, label: str, rate: float) -> str:
-    """The profile taken right before the run of `label` at `rate` (`scripts/bench_lanes_cpu.py
+    """The profile taken right before the run of `label` at `rate` (`benchmarks/bench_lanes_cpu.py
     --profile-each-run`), beside the measured result file."""
     for candidate in path.parent.glob(f"{label}.rate-*.profile.json"):
         text = candidate.name.removeprefix(f"{label}.rate-").removesuffix(".profile.json")
@@ -334,7 +334,7 @@ def simulate_like(
 
 
 def isolated_table(path: Path, profile: str, model: str, dtype: str) -> None:
-    """Measured latencies of requests sent one at a time (`scripts/bench_lanes_cpu.py`'s
+    """Measured latencies of requests sent one at a time (`benchmarks/bench_lanes_cpu.py`'s
     isolated.json) beside the profile's predictions: TTFT against a lone prefill on every
     unit, the median TPOT against a batch-1 decode."""
     from bulletserve.model.presets import get_preset

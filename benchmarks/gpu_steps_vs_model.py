@@ -5,7 +5,9 @@ Reads the `steps` rows of `scripts/device_check.py`'s device_check.json (a prefi
 co-running, at each split P/D) and predicts the same execution states from a hardware preset or
 `bullet profile` JSON: how far the simulator's GPU presets are from this engine on that GPU.
 
-    python scripts/gpu_steps_vs_model.py docs/data/h200-check/device_check.json --hardware h200
+    python benchmarks/gpu_steps_vs_model.py docs/data/h200-check/device_check.json --hardware h200
+
+Cited in docs/benchmarks.md "GPU (one H200)" and docs/perf-model.md "First GPU check".
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ FLOPs), whichever is largest.
 `--linear` runs the projections through a given GEMM instead of the one the loader's timing
 picks (`auto`): oneDNN's packed one, our blocked fp32 one, or PyTorch's `F.linear`.
 
-    .venv/bin/python scripts/step_breakdown.py --batch 1,16,64 --context 480 --prefill 4 \
+    .venv/bin/python benchmarks/step_breakdown.py --batch 1,16,64 --context 480 --prefill 4 \
         --prompt-len 512 [--dtype float32] [--linear auto] [--json out.json]
+
+Cited in docs/benchmarks.md "Against vLLM on a CPU".
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ partition ablations, through the real server with `bullet bench`.
    machine's slow spells then fall on all configurations of a rate alike).
 3. Plots and a comparison table.
 
-    python scripts/bench_lanes_cpu.py --out docs/data/bench-cpu --rates 0.5,1,1.5,2,3
+    python benchmarks/bench_lanes_cpu.py --out docs/data/bench-cpu --rates 0.5,1,1.5,2,3
+
+Cited in docs/benchmarks.md "Bullet on the CPU".
 """
 
 from __future__ import annotations

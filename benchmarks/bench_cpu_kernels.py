@@ -9,7 +9,9 @@ Steps: decodes of 64, 8 and 1 sequences at context 320 (their blocks interleaved
 a running batch leaves them) and a prefill of 8 prompts of 256 tokens. Medians over the repeats,
 on `--threads` intra-op threads (a lane's share).
 
-    .venv/bin/python scripts/bench_cpu_kernels.py --repeats 7 --dtype float32 --threads 1
+    .venv/bin/python benchmarks/bench_cpu_kernels.py --repeats 7 --dtype float32 --threads 1
+
+Cited in docs/benchmarks.md "Offline throughput".
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ cache only what its own requests computed. Each server's prefix-cache counters
 after a run. Reports per configuration and rate the medians over repeats of mean and P90 TTFT,
 output tokens/s, hit rate and SLO attainment, and the highest rate at 90% attainment.
 
-    .venv/bin/python scripts/bench_prefix_cache.py --configs chunked,chunked-no-cache,vllm,\\
+    .venv/bin/python benchmarks/bench_prefix_cache.py --configs chunked,chunked-no-cache,vllm,\\
         vllm-no-cache --rates 2,4,6 --repeats 3 --num-prompts 100 \\
         --slo-ttft-per-token-ms 4 --slo-tpot-ms 250 --out /tmp/prefix-cache
+
+Cited in docs/benchmarks.md "Prefix caching".
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Each system runs in its own subprocess (so peak memory is its own), alternating,
 repetitions; the report gives medians and the ratio. Also times single decode steps at batch
 1, 16 and 64 against their memory-bandwidth floor.
 
-    python scripts/bench_offline.py --repeats 3 --output docs/data/bench_offline.json
+    python benchmarks/bench_offline.py --repeats 3 --output docs/data/bench_offline.json
+
+Cited in docs/benchmarks.md "Offline throughput".
 """
 
 from __future__ import annotations

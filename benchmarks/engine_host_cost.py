@@ -7,8 +7,8 @@ each engine step is timed whole and its `ModelRunner.execute` call alone, and th
 decode steps (after five) are printed: what scheduling, sampling, detokenization and
 bookkeeping add to a step.
 
-    .venv/bin/python scripts/engine_host_cost.py --batches 1,8,16,32 [--temperature 1]
-    .venv/bin/python scripts/engine_host_cost.py --model tiny --load-format dummy \
+    .venv/bin/python benchmarks/engine_host_cost.py --batches 1,8,16,32 [--temperature 1]
+    .venv/bin/python benchmarks/engine_host_cost.py --model tiny --load-format dummy \
         --batches 1,16,64,256
 
 `--temperature` 0 (the default) samples greedily; 1 is what a server request without a
@@ -18,6 +18,9 @@ schema (a string of at least 400 characters, so that no row's structure ends wit
 logit bias: the per-step cost of what requests ask of their logits. `--breakdown` also profiles
 the decode steps of the largest batch (cProfile) and prints where an engine step's time goes.
 `--async-scheduling` runs the engine so (a step then reads back the one before it).
+
+Cited in docs/benchmarks.md "Host cost per step", "Host ceiling" and "What requests ask of their
+logits"; docs/commands/simulate.md.
 """
 
 from __future__ import annotations

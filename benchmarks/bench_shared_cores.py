@@ -5,9 +5,11 @@ its environment once), alone and beside one busy process of the same priority, i
 over rounds; the medians of each. `import bulletserve` sets a wait policy only where the user
 has none, so each setting here is exactly what it names.
 
-    .venv/bin/python scripts/bench_shared_cores.py --rounds 3 \\
+    .venv/bin/python benchmarks/bench_shared_cores.py --rounds 3 \\
         --setting "OMP_WAIT_POLICY=active GOMP_SPINCOUNT=300000" \\
         --setting "OMP_WAIT_POLICY=active GOMP_SPINCOUNT=1000" --policy chunked
+
+Cited in docs/benchmarks.md "Threads on shared cores".
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ the server is driven by that many streaming clients, the offline engine runs wit
 `max_num_seqs = concurrency`. The server runs in a subprocess, the client and the offline engine
 in this process; runs alternate (offline, server, offline, ...) and the medians are reported.
 
-    .venv/bin/python scripts/bench_server_overhead.py --runs 3 --output result.json
+    .venv/bin/python benchmarks/bench_server_overhead.py --runs 3 --output result.json
+
+Cited in docs/benchmarks.md "Server overhead" and docs/benchmarks-server.md.
 """
 
 from __future__ import annotations
