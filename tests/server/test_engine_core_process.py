@@ -1,8 +1,8 @@
 """The engine core in a process of its own (`--engine-core process`) behind the real server:
 the same greedy outputs as the in-process engine (streamed and whole, logprobs rebuilt from the
-deltas; and so under --async-scheduling), bad input refused as a 400, a client that leaves
-frees its blocks, and a core that dies ends every open stream with an error event and the
-server exits (non-zero, as `bullet serve`)."""
+deltas; and so under --async-scheduling, served by `bullet serve`), bad input refused as a 400,
+a client that leaves frees its blocks, and a core that dies ends every open stream with an
+error event and the server exits (non-zero, as `bullet serve`)."""
 
 from __future__ import annotations
 
@@ -103,15 +103,6 @@ def test_the_core_process_answers_as_the_engine_in_process_does(core, in_process
     assert core.describe()[-1].startswith("engine: its own process (pid ")
 
 
-def test_a_core_under_async_scheduling_answers_as_the_serial_engine_does(in_process_answers):
-    overlapped = CoreProcess(EngineConfig(model="tiny", load_format="dummy", async_scheduling=True))
-    try:
-        with running_app(overlapped) as url:
-            _assert_same_answers(_answers(url), in_process_answers)
-    finally:
-        overlapped.shutdown()
-
-
 def test_bad_input_found_by_the_core_is_a_value_error_before_any_output(core):
     too_long = [5] * (core.front.max_model_len + 1)  # past the check the server makes first
     with pytest.raises(ValueError, match="max-model-len"):
@@ -173,11 +164,13 @@ def test_a_core_that_dies_ends_the_open_streams_and_the_server_exits():
         engine.shutdown()
 
 
-def test_bullet_serve_exits_non_zero_when_its_core_dies_under_async_scheduling(tmp_path):
-    """As a supervisor sees it: `bullet serve --engine-core process --async-scheduling`, its
-    core killed under an open stream: the stream ends with an error event and [DONE], and the
-    server process exits 1 within seconds, its log saying why."""
-    need_tokenizer()
+def test_bullet_serve_under_async_scheduling_answers_as_serial_steps_and_exits_when_its_core_dies(
+    tmp_path, in_process_answers
+):
+    """`bullet serve --engine-core process --async-scheduling` answers as the serial engine in
+    process does; then, as a supervisor sees it, its core killed under an open stream: the
+    stream ends with an error event and [DONE], and the server process exits 1 within
+    seconds, its log saying why."""
     server = ServerProcess(
         ["--model", "tiny", "--load-format", "dummy", "--engine-core", "process",
          "--async-scheduling", "--shutdown-timeout", "5"],
@@ -185,6 +178,7 @@ def test_bullet_serve_exits_non_zero_when_its_core_dies_under_async_scheduling(t
     )  # fmt: skip
     try:
         server.wait_ready()
+        _assert_same_answers(_answers(server.url), in_process_answers)
         core_pid = int(re.search(r"its own process \(pid (\d+)\)", server.log()).group(1))
         body = {"prompt": "Tell me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         lines = []

@@ -59,7 +59,10 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_shutdown_timeout_aborts_what_is_left_and_exits_0(tmp_path):
+def test_shutdown_timeout_ends_what_is_left_and_exits_0(tmp_path):
+    """SIGTERM with a plain request and a stream in flight, past a 0.5 s shutdown timeout: the
+    plain one gets a 503, the stream an error event (503, "shut down") and [DONE], the process
+    exits 0 and logs no traceback."""
     need_tokenizer()
     server = ServerProcess(
         ["--load-format", "dummy", "--model", "tiny", "--shutdown-timeout", "0.5"],
@@ -89,10 +92,26 @@ def test_shutdown_timeout_aborts_what_is_left_and_exits_0(tmp_path):
             if 'bullet:num_requests_running{model_name="dummy-tiny"} 1.0' in text:
                 break
             done.wait(0.1)
-        server.process.send_signal(signal.SIGTERM)
+        events: list[str] = []
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json={**long_body, "stream": True},
+            trust_env=False, timeout=60,
+        ) as response:  # fmt: skip
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            server.process.send_signal(signal.SIGTERM)
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "shut down" in error["message"]
         assert server.process.wait(timeout=30) == 0, server.log()
         assert done.wait(30) and outcome[0][0] == 503, outcome
         thread.join(5)
+        log = server.log()
+        assert "Traceback" not in log and "CancelledError" not in log, log
     finally:
         server.stop()
 
