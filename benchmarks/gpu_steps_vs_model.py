@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 
 from bulletserve.model.presets import get_preset
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
-from bulletserve.sim.hardware import load_hardware
+from bulletserve.sim.device_presets import load_hardware
 
 
 def rows(

@@ -18,7 +18,7 @@ from bulletserve.sched.slo import SLO, ServiceClass
 from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate_requests
 from bulletserve.sim.clock import VirtualClock
 from bulletserve.sim.device import CachedPerfModel, Noise
-from bulletserve.sim.hardware import load_model_config
+from bulletserve.sim.device_presets import load_model_config
 from bulletserve.sim.request import SimRequest
 from tiny_models import random_prompts
 

@@ -229,7 +229,7 @@ def test_a_cached_prompt_is_judged_on_its_whole_prompts_budget_and_its_uncached_
 
 
 def test_decode_gets_fewest_units_that_keep_tpot_and_do_not_outlast_the_prefill():
-    from bulletserve.perf.state import ExecutionState
+    from bulletserve.perf.execution_state import ExecutionState
 
     policy = POLICIES["h100-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 1000, 999, 63) for i in range(32))
@@ -307,7 +307,7 @@ def test_cpu_shares_by_each_lane_s_share_of_its_speed_not_by_the_longer_step():
     """A long prefill beside short decode steps: the prefill on one thread outlasts the prefill
     and a decode step one after the other on both, but the decode lane keeps stepping beside
     it, so the lanes do more work per second side by side than taking turns."""
-    from bulletserve.perf.state import ExecutionState
+    from bulletserve.perf.execution_state import ExecutionState
 
     policy = POLICIES["cpu-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
@@ -330,7 +330,7 @@ def test_cpu_co_runs_only_a_prompt_that_keeps_its_ttft_margin_at_the_slower_spee
     """Where co-running gains, a prompt that would reach the at-risk share of its TTFT budget
     at the side-by-side speed (though not at the full-CPU speed that `at_risk` assumes) gets
     every thread instead."""
-    from bulletserve.perf.state import ExecutionState
+    from bulletserve.perf.execution_state import ExecutionState
 
     policy = POLICIES["cpu-no-fuse"]
     decoding = tuple(SeqView(f"d{i}", 0.0, 300, 299, 19) for i in range(4))
@@ -371,7 +371,7 @@ def test_cpu_fuses_the_decode_rows_into_a_prefill_step_where_that_does_most_work
     speed on one thread), the lanes share. Not where the step cannot carry the rows: a layer
     group short of the last layer, a prefill step running or between its layer groups, fusing
     turned off, or a fixed split."""
-    from bulletserve.perf.state import fused_step_state
+    from bulletserve.perf.execution_state import fused_step_state
 
     zero_sum = dataclasses.replace(CPU, bandwidth_saturation_units=2)
     policy = make_policy(zero_sum)

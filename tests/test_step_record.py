@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bulletserve.bookkeeping.record import StepRecord, decode_busy_share, read_step_log, write_step
-from bulletserve.perf.state import ExecutionState
+from bulletserve.perf.execution_state import ExecutionState
 
 
 def test_a_record_round_trips_through_its_line(tmp_path):

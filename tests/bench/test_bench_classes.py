@@ -14,9 +14,9 @@ from bulletserve.bench.classes import (
     check_classes,
     parse_workload_class,
 )
-from bulletserve.bench.client import Target
-from bulletserve.bench.metrics import summarize
+from bulletserve.bench.http_client import Target
 from bulletserve.bench.records import RequestRecord
+from bulletserve.bench.serving_metrics import summarize
 from bulletserve.cli import main
 from bulletserve.sched.slo import SLO
 

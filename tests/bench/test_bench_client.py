@@ -11,7 +11,7 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from bulletserve.bench.client import Target, make_client, send_request
+from bulletserve.bench.http_client import Target, make_client, send_request
 from bulletserve.bench.records import RequestRecord
 from bulletserve.server.launch import make_server
 from tests.server.harness import free_port

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from bulletserve.bench.client import Target, make_client
 from bulletserve.bench.datasets import WorkloadRequest
+from bulletserve.bench.http_client import Target, make_client
 from bulletserve.bench.load import LoadLevel, run_level
 from bulletserve.cli import main
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bulletserve.bench.metrics import attainment, summarize, tpot_s
 from bulletserve.bench.records import RequestRecord
+from bulletserve.bench.serving_metrics import attainment, summarize, tpot_s
 from bulletserve.sched.slo import SLO
 
 

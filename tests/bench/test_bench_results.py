@@ -8,10 +8,10 @@ import socket
 
 import pytest
 
-from bulletserve.bench.metrics import summarize
 from bulletserve.bench.plots import plot_results
 from bulletserve.bench.records import BenchResult, RequestRecord, RunResult, load_result
 from bulletserve.bench.report import compare_table, summary_table
+from bulletserve.bench.serving_metrics import summarize
 from bulletserve.cli import main
 from bulletserve.sched.slo import SLO
 

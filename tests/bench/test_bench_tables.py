@@ -86,7 +86,7 @@ def test_a_run_made_without_slos_is_tabled_without_attainment(tmp_path, capsys):
 
 
 def test_the_sdks_base_url_form_names_the_same_server():
-    from bulletserve.bench.client import server_root
+    from bulletserve.bench.http_client import server_root
 
     for given in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
         assert server_root(given) == "http://h:8000"

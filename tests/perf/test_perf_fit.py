@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from bulletserve.model.presets import PRESETS
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.fit import StepSample, calibrate, saturation_units
 from bulletserve.perf.hardware import HardwareProfile, ProfileError, UnitPoint
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
 
 CFG = PRESETS["smollm2-135m"]
 HW = HardwareProfile("cpu", "cpu", True, 4, 1, 1, {"bfloat16": 4e11}, 4e10, 2, 1e-4)

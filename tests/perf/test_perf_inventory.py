@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bulletserve.model.presets import PRESETS
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.inventory import decode_counts, prefill_counts, step_ops
-from bulletserve.perf.state import ExecutionState
 
 TINY = PRESETS["tiny"]  # h=64, i=128, 2 layers, 4 heads, 2 kv heads, head_dim 16, vocab 49152
 D = 2  # bf16

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bulletserve.model.presets import PRESETS
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.hardware import Calibration, load_preset
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
 
 H100 = load_preset("h100-sxm")
 UNCALIBRATED = dataclasses.replace(H100, calibration=Calibration())
@@ -227,9 +227,9 @@ def test_gpu_steps_script_predicts_each_measured_step_of_the_device_check():
     from pathlib import Path
 
     from bulletserve.model.presets import get_preset
+    from bulletserve.perf.execution_state import ExecutionState
     from bulletserve.perf.model import PerfModel
-    from bulletserve.perf.state import ExecutionState
-    from bulletserve.sim.hardware import load_hardware
+    from bulletserve.sim.device_presets import load_hardware
 
     root = Path(__file__).parents[2]
     spec = importlib.util.spec_from_file_location(

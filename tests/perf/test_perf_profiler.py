@@ -12,9 +12,9 @@ from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads, GreenContextSMs, UnitsUnavailableError
 from bulletserve.partition.measure import MicroPlan, measure_device, unit_counts
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.hardware import Calibration, HardwareProfile
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
 from bulletserve.profiling.profiler import PLANS, profile_device
 
 TINY_PLAN = dataclasses.replace(

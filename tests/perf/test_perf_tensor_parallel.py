@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bulletserve.model.presets import get_preset
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.hardware import load_preset
 from bulletserve.perf.model import AllReduceTime, PerfModel
-from bulletserve.perf.state import ExecutionState
-from bulletserve.sim.hardware import GIB, kv_cache_blocks, weight_bytes
+from bulletserve.sim.device_presets import GIB, kv_cache_blocks, weight_bytes
 
 LLAMA_70B = get_preset("llama-3.1-70b")
 A100 = load_preset("a100-80gb")

@@ -51,7 +51,7 @@ def test_the_simulated_device_teaches_the_policy_its_speed():
     predictions, under the corrections the steps taught it, are within 10% of the device's
     times for steps of the sizes it ran, where they started 2x off."""
     from bulletserve.bench.datasets import load_lengths
-    from bulletserve.perf.state import ExecutionState
+    from bulletserve.perf.execution_state import ExecutionState
     from bulletserve.sim.benchmark import make_sim_policy, setup, simulate_run
 
     config = SimConfig(

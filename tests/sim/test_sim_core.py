@@ -10,13 +10,13 @@ import pytest
 from bulletserve.bench.datasets import RandomLengths, load_lengths
 from bulletserve.bench.records import RequestRecord
 from bulletserve.bookkeeping.record import read_step_log
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.bullet import RULE_NAMES, BulletParams, BulletPolicy
 from bulletserve.sched.slo import SLO
 from bulletserve.sim.benchmark import SimConfig, make_sim_policy, setup, simulate
 from bulletserve.sim.device import Noise
-from bulletserve.sim.hardware import (
+from bulletserve.sim.device_presets import (
     DEVICE_MEMORY,
     GIB,
     SimSetupError,
@@ -24,7 +24,7 @@ from bulletserve.sim.hardware import (
     load_hardware,
 )
 from bulletserve.sim.laned import LanedSimulator
-from bulletserve.sim.single import run_single_lane
+from bulletserve.sim.one_lane import run_single_lane
 from bulletserve.sim.state import SimState
 from bulletserve.sim.workload import arrivals_for, make_requests
 

@@ -117,9 +117,9 @@ def test_policy_from_label():
 
 def test_isolated_table_sets_each_request_beside_its_lone_prefill(capsys):
     from bulletserve.model.presets import get_preset
+    from bulletserve.perf.execution_state import ExecutionState
     from bulletserve.perf.hardware import HardwareProfile
     from bulletserve.perf.model import PerfModel
-    from bulletserve.perf.state import ExecutionState
 
     isolated = FIXTURES / "bench-cpu-3-isolated.json"
     profile = str(FIXTURES / "cpu-profile.json")

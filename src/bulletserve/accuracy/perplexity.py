@@ -1,8 +1,8 @@
-"""Perplexity of a model over a text, computed as llama.cpp's `llama-perplexity` does, so that the
-two agree on the same file and tokens: the text tokenized once, cut into chunks of `context`
-tokens (the first made BOS where the tokenizer adds one), each chunk run alone, and only the
-second half of each chunk scored (every scored token then has at least context / 2 before it).
-"""
+"""Perplexity of a model over a text (`bullet perplexity`: cli/perplexity.py), computed as
+llama.cpp's `llama-perplexity` does, so that the two agree on the same file and tokens: the text
+tokenized once, cut into chunks of `context` tokens (the first made BOS where the tokenizer adds
+one), each chunk run alone, and only the second half of each chunk scored (every scored token
+then has at least context / 2 before it)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ import httpx
 from tqdm import tqdm
 
 from bulletserve.bench.classes import WorkloadClass
-from bulletserve.bench.client import Target, send_request
 from bulletserve.bench.datasets import WorkloadRequest
-from bulletserve.bench.metrics import summarize
+from bulletserve.bench.http_client import Target, send_request
 from bulletserve.bench.records import RequestRecord, RunResult
+from bulletserve.bench.serving_metrics import summarize
 from bulletserve.sched.slo import SLO
 
 

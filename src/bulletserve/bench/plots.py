@@ -17,9 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bulletserve.bench.metrics import tpot_s  # noqa: E402
 from bulletserve.bench.records import BenchResult, RunResult  # noqa: E402
 from bulletserve.bench.report import lookup, rate_name  # noqa: E402
+from bulletserve.bench.serving_metrics import tpot_s  # noqa: E402
 
 # (file name, y-axis title, path into the summary, scale)
 SWEEP_PLOTS = (

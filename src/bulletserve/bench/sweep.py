@@ -12,8 +12,8 @@ from transformers import PreTrainedTokenizerBase
 
 from bulletserve.bench.arrivals import arrival_times, trace_arrival_times
 from bulletserve.bench.classes import WorkloadClass, assign_classes
-from bulletserve.bench.client import Target, list_models, make_client
 from bulletserve.bench.datasets import RandomLengths, WorkloadRequest, load_workload
+from bulletserve.bench.http_client import Target, list_models, make_client
 from bulletserve.bench.load import LoadLevel, run_level
 from bulletserve.bench.records import BenchResult, RunResult
 from bulletserve.sched.slo import SLO

@@ -10,8 +10,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from bulletserve.bench.metrics import attainment, tpot_s
 from bulletserve.bench.records import BenchResult, RunResult, load_result
+from bulletserve.bench.serving_metrics import attainment, tpot_s
 from bulletserve.sched.slo import SLO
 
 

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from bulletserve.bookkeeping.lanes import LaneCore, LaneStep
-from bulletserve.bookkeeping.single import SingleStep
+from bulletserve.bookkeeping.lane_core import LaneCore, LaneStep
+from bulletserve.bookkeeping.single_step import SingleStep
 
 T = TypeVar("T")
 

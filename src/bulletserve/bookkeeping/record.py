@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
 
-from bulletserve.perf.state import ExecutionState
+from bulletserve.perf.execution_state import ExecutionState
 
 Lane = Literal["prefill", "decode"]  # the laned executor's two lanes
 StepLane = Literal["prefill", "decode", "hybrid"]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import importlib
 import sys
 import traceback
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 # Subcommand name -> module under bulletserve.cli. Modules are imported lazily so that
 # `bullet bench` does not pay for torch and `bullet --help` stays fast.
@@ -102,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module_name).add_parser(subparsers, name)
     _show_defaults(parser)
     return parser
+
+
+T = TypeVar("T")
+
+
+def settings_of(settings_class: type[T], args: argparse.Namespace, **values: object) -> T:
+    """A subcommand's typed settings (a dataclass) from its parsed flags, field by field;
+    `values` for the fields that no one flag gives."""
+    names = [field.name for field in dataclasses.fields(settings_class)]
+    return settings_class(**{n: values[n] if n in values else getattr(args, n) for n in names})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -269,11 +269,11 @@ def _load_all(paths: list[Path]) -> list:
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
-    from bulletserve.bench.client import ServerUnreachable, server_root
     from bulletserve.bench.datasets import RandomLengths
+    from bulletserve.bench.http_client import ServerUnreachable, server_root
+    from bulletserve.bench.prompt_tokenizer import bench_tokenizer
     from bulletserve.bench.report import summary_table
     from bulletserve.bench.sweep import BenchConfig, run_benchmark
-    from bulletserve.bench.tokenizer import bench_tokenizer
 
     config = BenchConfig(
         base_url=server_root(args.base_url),
@@ -363,7 +363,7 @@ def _slo(args: argparse.Namespace):
 
 
 def _goodput(items: list[str] | None) -> dict[str, float] | None:
-    from bulletserve.bench.metrics import GOODPUT_METRICS
+    from bulletserve.bench.serving_metrics import GOODPUT_METRICS
 
     if not items:
         return None

@@ -1,5 +1,5 @@
 """`bullet perplexity`: a model's perplexity over a text, as llama.cpp's `llama-perplexity`
-computes it, for any model and `--quantization`."""
+computes it, for any model and `--quantization` (the measurement itself: accuracy/perplexity.py)."""
 
 from __future__ import annotations
 

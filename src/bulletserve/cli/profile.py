@@ -68,9 +68,10 @@ def summary(hw, samples) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.profile_action == "validate":
-        from bulletserve.profiling.validate import from_args
+        from bulletserve.cli import settings_of
+        from bulletserve.profiling.validate import Settings, main
 
-        return from_args(args)
+        return main(settings_of(Settings, args))
     import torch
 
     from bulletserve.engine.config import EngineConfig

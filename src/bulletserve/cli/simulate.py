@@ -16,7 +16,7 @@ import argparse
 from dataclasses import fields
 from pathlib import Path
 
-from bulletserve.cli import CLIError
+from bulletserve.cli import CLIError, settings_of
 from bulletserve.cli.bench import add_service_class_args, add_slo_args, service_classes
 from bulletserve.engine.config import add_scheduler_args, policy_of
 from bulletserve.perf.inventory import WEIGHT_FORMAT_BITS
@@ -253,6 +253,15 @@ def _add_studies(studies: argparse._SubParsersAction) -> None:
     paper.add_argument("--workloads", default=",".join(PAPER_WORKLOADS))
 
 
+def _host_settings(args: argparse.Namespace) -> dict[str, float | bool | None]:
+    """The `--host-*` flags as SimConfig's fields (seconds)."""
+    return {
+        "host_s_per_step": None if args.host_ms_per_step is None else args.host_ms_per_step / 1e3,
+        "host_s_per_row": None if args.host_us_per_row is None else args.host_us_per_row / 1e6,
+        "host_overlap": args.host_overlap,
+    }
+
+
 def _positive_rates(text: str) -> tuple[float, ...]:
     try:
         rates = tuple(sorted(float(x) for x in text.split(",") if x.strip()))
@@ -267,17 +276,19 @@ def _run_study(args: argparse.Namespace) -> int:
     import importlib
 
     from bulletserve.sched.slo import SLO
-    from bulletserve.sim.hardware import SimSetupError
+    from bulletserve.sim.device_presets import SimSetupError
 
+    values: dict[str, object] = {}  # settings that are not one flag each
     if args.study == "capacity":
         if (args.slo_ttft_per_token_ms is None) != (args.slo_tpot_ms is None):
             raise CLIError("--slo-ttft-per-token-ms and --slo-tpot-ms go together")
-        args.slo = None
+        slo = None
         if args.slo_tpot_ms is not None:
-            args.slo = SLO(args.slo_ttft_per_token_ms, args.slo_tpot_ms, args.slo_ttft_base_ms)
+            slo = SLO(args.slo_ttft_per_token_ms, args.slo_tpot_ms, args.slo_ttft_base_ms)
+        values = {"slo": slo, **_host_settings(args)}
     study = importlib.import_module(f"bulletserve.sim.{args.study}")
     try:
-        return study.from_args(args)
+        return study.main(settings_of(study.Settings, args, **values))
     except (SimSetupError, FileNotFoundError) as exc:
         raise CLIError(str(exc)) from None
 
@@ -286,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.bench.datasets import DatasetError, RandomLengths
     from bulletserve.bench.report import summary_table
     from bulletserve.cli.bench import _rates, _slo
-    from bulletserve.sim.benchmark import SimConfig, host_settings, simulate
-    from bulletserve.sim.hardware import SimSetupError
+    from bulletserve.sim.benchmark import SimConfig, simulate
+    from bulletserve.sim.device_presets import SimSetupError
 
     if args.study:
         return _run_study(args)
@@ -325,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
             device_memory_gib=args.device_memory_gib,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             device_slowdown=args.device_slowdown,
-            **host_settings(args),
+            **_host_settings(args),
             service_classes=service_classes(args),
             send_priority=args.send_priority,
             send_slo=args.send_slo,

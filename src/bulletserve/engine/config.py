@@ -1,4 +1,5 @@
-"""Engine settings and their command-line flags (vLLM's names where the meaning is the same)."""
+"""Engine settings and their command-line flags (vLLM's names where the meaning is the same);
+the scheduler's part is sched/config.py's `SchedulerConfig`, the model's shape model/config.py's."""
 
 from __future__ import annotations
 

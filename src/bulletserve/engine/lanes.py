@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from bulletserve.bookkeeping.lanes import LaneCore, LaneStep, Placement
+from bulletserve.bookkeeping.lane_core import LaneCore, LaneStep, Placement
 from bulletserve.bookkeeping.record import Lane, write_step
 from bulletserve.engine.config import HANDOFF_WAIT_S
 from bulletserve.engine.model_runner import PrefillPass, SeqWork, request_work

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bulletserve.bookkeeping.lanes import EVERY_UNIT, Placement
+from bulletserve.bookkeeping.lane_core import EVERY_UNIT, Placement
 from bulletserve.dist.parallel import Channel
 from bulletserve.engine.request import Request, TokenLogprob
 from bulletserve.kv.pool import KVPool

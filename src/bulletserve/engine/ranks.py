@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from bulletserve.bookkeeping.lanes import Placement
+from bulletserve.bookkeeping.lane_core import Placement
 from bulletserve.dist.parallel import CHANNELS, Channel, RankFailedError, TensorParallel
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.model_runner import (

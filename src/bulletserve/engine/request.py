@@ -1,4 +1,5 @@
-"""A request's state as it moves through the engine, and what the engine reports about it."""
+"""A request's state as it moves through the engine, and what the engine reports about it (the
+simulator's side of it: sim/request.py)."""
 
 from __future__ import annotations
 

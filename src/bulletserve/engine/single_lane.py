@@ -22,7 +22,7 @@ import torch
 
 from bulletserve.bookkeeping.clock import Clock
 from bulletserve.bookkeeping.record import write_step
-from bulletserve.bookkeeping.single import (
+from bulletserve.bookkeeping.single_step import (
     SingleStep,
     begin_single_step,
     end_single_step,

@@ -1,4 +1,6 @@
-"""The shape of a decoder model, independent of where its weights come from."""
+"""The shape of a decoder model, independent of where its weights come from. (Each layer
+keeps its settings in a `config.py`: the scheduler's in sched/config.py, the engine's in
+engine/config.py.)"""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from bulletserve.model.config import ModelConfig
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.hardware import Calibration, HardwareProfile, Points, UnitPoint
 from bulletserve.perf.inventory import TOKENS, phase_counts
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
 
 # N_d: the fewest units that reach this fraction of the best measured bandwidth.
 SATURATION_FRACTION = 0.9

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from bulletserve.model.config import ModelConfig
-from bulletserve.perf.state import ExecutionState
+from bulletserve.perf.execution_state import ExecutionState
 
 TOKENS, PAIRS, KV_READ, SEQS = range(4)
 Counts = tuple[float, float, float, float]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from bulletserve.model.config import ModelConfig
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.interp import AlphaSurface, Curve
 from bulletserve.perf.inventory import (
@@ -46,7 +47,6 @@ from bulletserve.perf.inventory import (
     phase_layers,
     step_ops,
 )
-from bulletserve.perf.state import ExecutionState
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PREDICT_PHASES = ("prefill", "decode")

@@ -24,9 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from bulletserve.model.config import ModelConfig
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.hardware import HardwareProfile, Points, load_preset
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
 
 GEMM_COLUMNS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 GEMM_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

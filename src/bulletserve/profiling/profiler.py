@@ -19,9 +19,9 @@ from bulletserve.partition.measure import (
     measure_device,
     micro_sizes,
 )
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.fit import StepSample, calibrate
 from bulletserve.perf.hardware import HardwareProfile
-from bulletserve.perf.state import ExecutionState
 from bulletserve.profiling.host import outside_runner_s, sampling_cost
 from bulletserve.profiling.steps import StepBench
 

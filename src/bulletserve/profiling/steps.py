@@ -14,8 +14,8 @@ from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.partition import CpuThreads, GreenContextSMs
 from bulletserve.partition.measure import time_call
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.fit import StepSample
-from bulletserve.perf.state import ExecutionState
 
 Units = CpuThreads | GreenContextSMs
 

@@ -13,7 +13,6 @@ predicted-vs-measured scatter plot perf-model.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -29,9 +28,9 @@ import torch
 from bulletserve.model.loader import load_model
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import CpuThreads
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.fit import StepSample
 from bulletserve.perf.model import PerfModel
-from bulletserve.perf.state import ExecutionState
 from bulletserve.profiling.profiler import PLANS, profile_device
 
 # Held-out shapes: none of these lengths, batches or contexts is in a profiling plan.
@@ -82,15 +81,24 @@ def errors(pred: list[float], meas: list[float]) -> dict[str, float]:
     return {"median": statistics.median(rel), "p90": float(np.percentile(rel, 90)), "max": rel[-1]}
 
 
-def from_args(args: argparse.Namespace) -> int:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """`bullet profile validate`'s settings (its flags: cli/profile.py)."""
+
+    quick: bool
+    repeats: int | None
+    out_dir: Path
+
+
+def main(settings: Settings) -> int:
     """`bullet profile validate`: writes perf-model.json and perf-model.png, prints the errors."""
     units = CpuThreads()
     model = load_model(resolve_model(None), torch.bfloat16, torch.device("cpu"), 4096)
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     with torch.inference_mode():
-        plan = PLANS["quick" if args.quick else "default"]
-        if args.repeats:
-            plan = dataclasses.replace(plan, repeats=args.repeats)
+        plan = PLANS["quick" if settings.quick else "default"]
+        if settings.repeats:
+            plan = dataclasses.replace(plan, repeats=settings.repeats)
         run = profile_device(
             model, units, plan, platform.machine(), log, held_out_states(units.total)
         )
@@ -149,9 +157,9 @@ def from_args(args: argparse.Namespace) -> int:
             for s in train
         ],
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "perf-model.json").write_text(json.dumps(report, indent=1) + "\n")
-    _plot(rows, args.out_dir / "perf-model.png")
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    (settings.out_dir / "perf-model.json").write_text(json.dumps(report, indent=1) + "\n")
+    _plot(rows, settings.out_dir / "perf-model.png")
     print(json.dumps({"errors": report["errors"], "by_group": report["errors_by_group"]}, indent=1))
     return 0
 

@@ -1,6 +1,6 @@
 """The scheduler's settings, each default stated once: what the engine's config and the
 simulator's share (both extend `SchedulerConfig`), and the one function that builds a policy
-from them."""
+from them (the engine's own settings: engine/config.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import bulletserve
 from bulletserve.engine.client import EngineClient
 from bulletserve.server.chat import ChatServing
 from bulletserve.server.completions import CompletionServing
-from bulletserve.server.errors import error_response, install_error_handlers
+from bulletserve.server.http_errors import error_response, install_error_handlers
 from bulletserve.server.metrics import ServerMetrics
 from bulletserve.server.middleware import GuardMiddleware
 from bulletserve.server.protocol import (

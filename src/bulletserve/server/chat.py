@@ -13,8 +13,8 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from bulletserve.engine.request import RequestOutput, TokenLogprob
-from bulletserve.server.errors import APIError
 from bulletserve.server.fields import tools_for_template
+from bulletserve.server.http_errors import APIError
 from bulletserve.server.protocol import (
     AssistantMessage,
     ChatChoice,

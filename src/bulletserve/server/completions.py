@@ -8,7 +8,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from bulletserve.engine.request import RequestOutput, TokenLogprob
-from bulletserve.server.errors import APIError
+from bulletserve.server.http_errors import APIError
 from bulletserve.server.protocol import (
     MAX_CHOICES,
     ChunkFrame,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from bulletserve.engine.structured import GrammarError, StructuredOutputs
-from bulletserve.server.errors import APIError
+from bulletserve.server.http_errors import APIError
 from bulletserve.server.protocol import (
     REFUSED,
     ChatCompletionRequest,

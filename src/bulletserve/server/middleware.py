@@ -12,7 +12,7 @@ import hmac
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bulletserve.server.errors import error_response
+from bulletserve.server.http_errors import error_response
 
 
 class GuardMiddleware:

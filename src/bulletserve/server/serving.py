@@ -21,8 +21,8 @@ from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import GrammarError, StructuredOutputs
 from bulletserve.sched.base import check_priority
 from bulletserve.sched.slo import SLO, ServiceClass
-from bulletserve.server.errors import APIError, error_body, logged_error
 from bulletserve.server.fields import check_fields, logit_bias_of, structure_of
+from bulletserve.server.http_errors import APIError, error_body, logged_error
 from bulletserve.server.metrics import ServerMetrics
 from bulletserve.server.protocol import (
     PromptLogprob,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from bulletserve.server.chat import ChatServing
-from bulletserve.server.errors import APIError
+from bulletserve.server.http_errors import APIError
 from bulletserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,

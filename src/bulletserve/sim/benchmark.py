@@ -3,14 +3,13 @@ the workload at each request rate, as `bullet bench` does against a server."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from bulletserve.bench.classes import WorkloadClass, assign_classes
 from bulletserve.bench.datasets import RandomLengths, load_lengths
@@ -23,7 +22,7 @@ from bulletserve.sched.base import Policy
 from bulletserve.sched.bullet import BulletPolicy, UnitSpace
 from bulletserve.sched.slo import SLO
 from bulletserve.sim.device import CachedPerfModel, Noise
-from bulletserve.sim.hardware import (
+from bulletserve.sim.device_presets import (
     GIB,
     GPU_MEMORY_UTILIZATION,
     SimSetupError,
@@ -33,9 +32,9 @@ from bulletserve.sim.hardware import (
     load_model_config,
 )
 from bulletserve.sim.laned import LanedSimulator
+from bulletserve.sim.one_lane import run_single_lane
 from bulletserve.sim.request import SimRequest
 from bulletserve.sim.results import run_result
-from bulletserve.sim.single import run_single_lane
 from bulletserve.sim.state import SimState
 from bulletserve.sim.workload import Lengths, arrivals_for, make_requests, prompt_tokens
 
@@ -102,15 +101,6 @@ class SimConfig(SchedulerConfig):
                 "--send-priority needs --scheduling-policy priority (a server that schedules "
                 "first come first served refuses a request's priority)"
             )
-
-
-def host_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """`bullet simulate`'s `--host-*` flags as SimConfig's fields (seconds)."""
-    return {
-        "host_s_per_step": None if args.host_ms_per_step is None else args.host_ms_per_step / 1e3,
-        "host_s_per_row": None if args.host_us_per_row is None else args.host_us_per_row / 1e6,
-        "host_overlap": args.host_overlap,
-    }
 
 
 @dataclass

@@ -9,7 +9,6 @@ lengths and arrival times). A rate counts only if every grid rate below it also 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -32,13 +31,12 @@ from bulletserve.sched.bullet import RULE_NAMES, BulletPolicy  # noqa: E402
 from bulletserve.sched.slo import SLO  # noqa: E402
 from bulletserve.sim.benchmark import (  # noqa: E402
     SimConfig,
-    host_settings,
     make_sim_policy,
     setup,
     simulate_run,
 )
 from bulletserve.sim.defaults import CAPACITY_GRIDS, CAPACITY_TARGET  # noqa: E402
-from bulletserve.sim.hardware import SimSetupError  # noqa: E402
+from bulletserve.sim.device_presets import SimSetupError  # noqa: E402
 
 MISSES_BEFORE_STOP = 2
 
@@ -251,46 +249,78 @@ def run(
     return out
 
 
-def from_args(args: argparse.Namespace) -> int:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """`bullet simulate capacity`'s settings (its flags: cli/simulate.py)."""
+
+    hardware: str
+    model: str
+    workloads: str  # comma-separated dataset presets
+    policies: str  # comma-separated policy labels
+    seeds: str  # comma-separated
+    num_prompts: int
+    rates: tuple[float, ...] | None  # one grid for every workload; None: per workload
+    target: float
+    workers: int
+    slo: SLO | None  # None: the paper's for each workload
+    dtype: str
+    quantization: str | None
+    tensor_parallel_size: int
+    max_model_len: int | None
+    num_gpu_blocks_override: int | None
+    device_memory_gib: float | None
+    max_num_seqs: int
+    host_s_per_step: float | None
+    host_s_per_row: float | None
+    host_overlap: bool
+    out: Path | None  # the plot
+    results: Path | None  # the attainment grids (JSON)
+
+
+def main(settings: Settings) -> int:
     """`bullet simulate capacity`: the grids, a table per workload, the plot and the JSON."""
-    workloads = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in workloads if args.rates is None and w not in CAPACITY_GRIDS]
+    workloads = [w for w in settings.workloads.split(",") if w]
+    unknown = [w for w in workloads if settings.rates is None and w not in CAPACITY_GRIDS]
     if unknown:
         raise SimSetupError(f"--workloads: no default rate grid for {unknown}; give --rates")
     try:
-        policies = [p for p in args.policies.split(",") if p]
+        policies = [p for p in settings.policies.split(",") if p]
         for label in policies:
             policy_settings(label)
-        seeds = [int(s) for s in args.seeds.split(",") if s]
+        seeds = [int(s) for s in settings.seeds.split(",") if s]
     except ValueError as err:
         raise SimSetupError(f"--policies/--seeds: {err}") from None
-    custom_slo = args.slo
+    custom_slo = settings.slo
     if custom_slo is None and any(dataset_family(w) is None for w in workloads):
         raise SimSetupError("--workloads: without --slo-* flags, sharegpt, azure or arxiv")
     engine = {
         "slo": custom_slo,
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "max_model_len": args.max_model_len,
-        "num_gpu_blocks_override": args.num_gpu_blocks_override,
-        "device_memory_gib": args.device_memory_gib,
-        "max_num_seqs": args.max_num_seqs,
-        **host_settings(args),
+        "dtype": settings.dtype,
+        "quantization": settings.quantization,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "max_model_len": settings.max_model_len,
+        "num_gpu_blocks_override": settings.num_gpu_blocks_override,
+        "device_memory_gib": settings.device_memory_gib,
+        "max_num_seqs": settings.max_num_seqs,
+        "host_s_per_step": settings.host_s_per_step,
+        "host_s_per_row": settings.host_s_per_row,
+        "host_overlap": settings.host_overlap,
     }
-    grids = {w: args.rates or CAPACITY_GRIDS[w] for w in workloads}
-    setup(SimConfig(hardware=args.hardware, model=args.model, **engine))  # checked once here
+    grids = {w: settings.rates or CAPACITY_GRIDS[w] for w in workloads}
+    setup(
+        SimConfig(hardware=settings.hardware, model=settings.model, **engine)
+    )  # checked once here
     start = time.perf_counter()
     results = run(
-        args.hardware,
-        args.model,
+        settings.hardware,
+        settings.model,
         workloads,
         policies,
         seeds,
-        args.num_prompts,
+        settings.num_prompts,
         grids,
-        args.target,
-        args.workers,
+        settings.target,
+        settings.workers,
         engine,
     )
     for dataset, by_policy in results.items():
@@ -301,36 +331,36 @@ def from_args(args: argparse.Namespace) -> int:
         )
         rates = sorted({r for a in by_policy.values() for r in a})
         head = " | ".join(f"{r:g}" for r in rates)
-        print(f"| policy | {head} | capacity at {args.target:.0%} |")
+        print(f"| policy | {head} | capacity at {settings.target:.0%} |")
         print("|---|" + "---:|" * (len(rates) + 1))
         capacities = {}
         for label, attained in by_policy.items():
-            capacities[label] = capacity(attained, args.target)
+            capacities[label] = capacity(attained, settings.target)
             cells = ["-" if attained.get(r) is None else f"{100 * attained[r]:.1f}" for r in rates]
             shown = "none" if capacities[label] is None else f"{capacities[label]:g}"
             print(f"| {label} | " + " | ".join(cells) + f" | {shown} |")
         print(f"\n{ratio_line(capacities)}")
     print(
-        f"\n(simulated on {args.hardware}, {args.model}, {args.num_prompts} requests, seeds "
-        f"{args.seeds}, in {time.perf_counter() - start:.0f} s)"
+        f"\n(simulated on {settings.hardware}, {settings.model}, {settings.num_prompts} "
+        f"requests, seeds {settings.seeds}, in {time.perf_counter() - start:.0f} s)"
     )
-    if args.out:
-        print(f"plot: {plot(results, args.hardware, args.target, args.out)}")
-    if args.results:
+    if settings.out:
+        print(f"plot: {plot(results, settings.hardware, settings.target, settings.out)}")
+    if settings.results:
         payload = {
             "simulated": True,
-            "hardware": args.hardware,
-            "model": args.model,
-            "num_prompts": args.num_prompts,
+            "hardware": settings.hardware,
+            "model": settings.model,
+            "num_prompts": settings.num_prompts,
             "seeds": seeds,
-            "target": args.target,
+            "target": settings.target,
             "slo": None if custom_slo is None else dataclasses.asdict(custom_slo),
-            "dtype": args.dtype,
-            "quantization": args.quantization,
+            "dtype": settings.dtype,
+            "quantization": settings.quantization,
             "attainment": {
                 d: {p: {f"{r:g}": a for r, a in g.items()} for p, g in by_policy.items()}
                 for d, by_policy in results.items()
             },
         }
-        args.results.write_text(json.dumps(payload, indent=1) + "\n")
+        settings.results.write_text(json.dumps(payload, indent=1) + "\n")
     return 0

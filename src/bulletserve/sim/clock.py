@@ -1,7 +1,8 @@
-"""A virtual clock for the real engine: its threads (a driver adding requests, the two lanes)
-take turns on simulated time, one at a time, and each step lasts what the modeled device says
-(`sim.device.ModeledLanes` for lane steps, the prediction for a single-lane step), so the
-engine's decisions can be compared with the simulator's one for one.
+"""A virtual clock for the real engine (the protocol it keeps: bookkeeping/clock.py): its threads
+(a driver adding requests, the two lanes) take turns on simulated time, one at a time, and each
+step lasts what the modeled device says (`sim.device.ModeledLanes` for lane steps, the
+prediction for a single-lane step), so the engine's decisions can be compared with the
+simulator's one for one.
 
 At one instant the threads run in the simulator's order: lanes whose steps ended (prefill
 first), then the driver (arrivals), then lanes that were woken or take their next turn (prefill
@@ -16,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from bulletserve.bookkeeping.lanes import LaneCore, LaneStep
-from bulletserve.bookkeeping.single import SingleStep
+from bulletserve.bookkeeping.lane_core import LaneCore, LaneStep
+from bulletserve.bookkeeping.single_step import SingleStep
 from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise, time_single_step
 
 T = TypeVar("T")

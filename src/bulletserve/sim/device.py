@@ -14,13 +14,13 @@ import math
 import random
 from dataclasses import dataclass
 
-from bulletserve.bookkeeping.lanes import LANES, LaneCore, LaneStep
+from bulletserve.bookkeeping.lane_core import LANES, LaneCore, LaneStep
 from bulletserve.bookkeeping.record import Lane
-from bulletserve.bookkeeping.single import SingleStep
+from bulletserve.bookkeeping.single_step import SingleStep
 from bulletserve.model.config import ModelConfig
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.hardware import HardwareProfile
 from bulletserve.perf.model import PerfModel, StepPrediction
-from bulletserve.perf.state import ExecutionState
 
 
 class CachedPerfModel(PerfModel):

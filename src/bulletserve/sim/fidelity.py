@@ -29,7 +29,7 @@ a difference inside that spread is one this machine cannot resolve.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -41,8 +41,8 @@ import numpy as np
 
 from bulletserve.bench.records import BenchResult, RunResult, load_result
 from bulletserve.bookkeeping.record import StepRecord, read_step_log
+from bulletserve.perf.execution_state import ExecutionState
 from bulletserve.perf.model import StepPrediction
-from bulletserve.perf.state import ExecutionState
 from bulletserve.sched.slo import SLO
 from bulletserve.sim.benchmark import (
     SimConfig,
@@ -51,7 +51,7 @@ from bulletserve.sim.benchmark import (
     simulate_requests,
 )
 from bulletserve.sim.device import CachedPerfModel
-from bulletserve.sim.hardware import SimSetupError
+from bulletserve.sim.device_presets import SimSetupError
 from bulletserve.sim.request import SimRequest
 
 TARGET = 0.15  # relative, for the latency and throughput figures
@@ -451,38 +451,59 @@ def grouped_table(paths: list[Path], base: SimConfig, policy: str | None) -> flo
     return worst
 
 
-def from_args(args: argparse.Namespace) -> int:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """`bullet simulate fidelity`'s settings (its flags: cli/simulate.py)."""
+
+    measured: list[Path]  # bullet bench result files
+    profile: str | None
+    profile_per_run: bool
+    model: str
+    policy: str | None
+    chunked_prefill_size: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_gpu_blocks_override: int | None
+    dtype: str
+    noise: float
+    out_dir: Path | None
+    served_speed: bool
+    group: bool
+    isolated: Path | None
+
+
+def main(settings: Settings) -> int:
     """`bullet simulate fidelity`: the tables; exit status 1 where a figure misses its target."""
-    if args.profile_per_run:
-        if args.profile or args.group or args.isolated:
+    if settings.profile_per_run:
+        if settings.profile or settings.group or settings.isolated:
             raise SimSetupError("--profile-per-run takes no --profile, --group or --isolated")
-    elif not args.profile:
+    elif not settings.profile:
         raise SimSetupError("--profile is required (or --profile-per-run)")
-    if args.served_speed and args.group:
+    if settings.served_speed and settings.group:
         raise SimSetupError("--served-speed takes no --group")
-    if args.isolated:
-        isolated_table(args.isolated, args.profile, args.model, args.dtype)
+    if settings.isolated:
+        isolated_table(settings.isolated, settings.profile, settings.model, settings.dtype)
         print()
     base = SimConfig(
-        hardware=args.profile,
-        model=args.model,
-        chunked_prefill_size=args.chunked_prefill_size,
-        dtype=args.dtype,
-        noise=args.noise,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        hardware=settings.profile,
+        model=settings.model,
+        chunked_prefill_size=settings.chunked_prefill_size,
+        dtype=settings.dtype,
+        noise=settings.noise,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        num_gpu_blocks_override=settings.num_gpu_blocks_override,
     )
-    if args.group:
-        worst = grouped_table(args.measured, base, args.policy)
+    if settings.group:
+        worst = grouped_table(settings.measured, base, settings.policy)
     else:
         worst = per_run_table(
-            args.measured,
+            settings.measured,
             base,
-            args.policy,
-            args.out_dir,
-            args.profile_per_run,
-            args.served_speed,
+            settings.policy,
+            settings.out_dir,
+            settings.profile_per_run,
+            settings.served_speed,
         )
     print(
         f"largest difference {worst:.2f}x its target (targets: {TARGET:.0%} for latency and "

@@ -19,7 +19,7 @@ predictions (the engine on the simulator's virtual clock does not observe either
 
 from __future__ import annotations
 
-from bulletserve.bookkeeping.lanes import LANES, LaneCore
+from bulletserve.bookkeeping.lane_core import LANES, LaneCore
 from bulletserve.bookkeeping.record import Lane
 from bulletserve.sched.bullet import BulletPolicy
 from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise

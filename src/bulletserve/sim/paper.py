@@ -7,7 +7,7 @@ bullet simulate paper --out docs [--results DIR] [--num-prompts 1000]
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -118,17 +118,27 @@ def plot(results: Sequence[BenchResult], dataset: str, path: Path) -> Path:
     return path
 
 
-def from_args(args: argparse.Namespace) -> int:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """`bullet simulate paper`'s settings (its flags: cli/simulate.py)."""
+
+    out: Path  # the folder for sim-WORKLOAD.png
+    results: Path | None
+    num_prompts: int
+    workloads: str  # comma-separated
+
+
+def main(settings: Settings) -> int:
     """`bullet simulate paper`: a table and a plot per workload."""
-    if args.results:
-        args.results.mkdir(parents=True, exist_ok=True)
-    for dataset in args.workloads.split(","):
+    if settings.results:
+        settings.results.mkdir(parents=True, exist_ok=True)
+    for dataset in settings.workloads.split(","):
         start = time.perf_counter()
-        results = run_workload(dataset, args.num_prompts, RATES, args.results)
+        results = run_workload(dataset, settings.num_prompts, RATES, settings.results)
         slo = PAPER_SLOS[dataset_family(dataset) or ""]
         print(f"\n### {dataset} (SLO {slo.ttft_per_token_ms} ms/token, {slo.tpot_ms} ms TPOT)\n")
         print(table(results))
         print(f"\n{ratios(results)}; {ratios(results, 'chunked-2048')}")
-        print(f"plot: {plot(results, dataset, args.out / f'sim-{dataset}.png')}")
+        print(f"plot: {plot(results, dataset, settings.out / f'sim-{dataset}.png')}")
         print(f"(simulated in {time.perf_counter() - start:.0f} s)")
     return 0

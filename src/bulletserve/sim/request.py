@@ -1,4 +1,5 @@
-"""A simulated request: lengths, progress and the times its tokens came out."""
+"""A simulated request: lengths, progress and the times its tokens came out (the simulator's
+side of engine/request.py's `Request`, which holds tokens where this holds counts)."""
 
 from __future__ import annotations
 

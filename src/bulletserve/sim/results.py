@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bulletserve.bench.classes import WorkloadClass
-from bulletserve.bench.metrics import summarize
 from bulletserve.bench.records import RequestRecord, RunResult
+from bulletserve.bench.serving_metrics import summarize
 from bulletserve.sched.slo import SLO
 from bulletserve.sim.request import SimRequest
 

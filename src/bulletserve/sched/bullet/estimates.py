@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bulletserve.perf.execution_state import ExecutionState, fused_step_state
 from bulletserve.perf.model import Corrections, PerfModel, StepPrediction
-from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.bullet.params import BulletParams
 from bulletserve.sched.bullet.types import Fusion, UnitSpace

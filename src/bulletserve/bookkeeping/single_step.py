@@ -1,5 +1,5 @@
 """One single-lane step's bookkeeping, as the engine (`SingleLane.step`) and the simulator
-(`sim.single`) both carry a policy's `StepPlan` out: preemptions, admissions, KV blocks, which
+(`sim.one_lane`) both carry a policy's `StepPlan` out: preemptions, admissions, KV blocks, which
 rows are prompt chunks and which decode rows, and after the step the computed tokens."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Generic
 
 from bulletserve.bookkeeping.book import E, RequestBook
 from bulletserve.bookkeeping.record import StepLane, StepRecord
-from bulletserve.perf.state import ExecutionState, fused_step_state
+from bulletserve.perf.execution_state import ExecutionState, fused_step_state
 from bulletserve.sched.base import SchedulerSnapshot, StepPlan
 
 
@@ -32,8 +32,8 @@ def scheduler_snapshot(
 class SingleStep(Generic[E]):
     """The requests a step computes and how many tokens each, in the plan's order (none: the
     plan scheduled nothing); the prompt chunks as (new tokens, tokens cached before them) and
-    the decode rows' contexts after the step, as `perf.state.fused_step_state` takes them; and
-    the requests the plan preempted."""
+    the decode rows' contexts after the step, as `perf.execution_state.fused_step_state` takes
+    them; and the requests the plan preempted."""
 
     batch: list[tuple[E, int]]
     preempted: list[E] = field(default_factory=list)
@@ -52,7 +52,7 @@ class SingleStep(Generic[E]):
 
     def execution_state(self, units: int) -> tuple[ExecutionState, str]:
         """The step on every unit as the performance model takes it, and the phase whose time
-        it takes (`perf.state.fused_step_state`)."""
+        it takes (`perf.execution_state.fused_step_state`)."""
         return fused_step_state(self.prefill, self.decode_ctx, units)
 
     def record(

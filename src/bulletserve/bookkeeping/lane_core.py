@@ -21,8 +21,8 @@ from typing import Generic
 
 from bulletserve.bookkeeping.book import E, RequestBook
 from bulletserve.bookkeeping.record import Lane, StepRecord
+from bulletserve.perf.execution_state import ExecutionState, fused_step_state
 from bulletserve.perf.model import Corrections
-from bulletserve.perf.state import ExecutionState, fused_step_state
 from bulletserve.sched.bullet import (
     BulletPlan,
     BulletPolicy,

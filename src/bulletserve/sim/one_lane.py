@@ -8,7 +8,11 @@ the next arrival.
 
 from __future__ import annotations
 
-from bulletserve.bookkeeping.single import begin_single_step, end_single_step, scheduler_snapshot
+from bulletserve.bookkeeping.single_step import (
+    begin_single_step,
+    end_single_step,
+    scheduler_snapshot,
+)
 from bulletserve.sched.base import Policy
 from bulletserve.sim.device import CachedPerfModel, Noise, step_elapsed_s, time_single_step
 from bulletserve.sim.state import SimState
