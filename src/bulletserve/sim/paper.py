@@ -130,6 +130,7 @@ class Settings:
 
 def main(settings: Settings) -> int:
     """`bullet simulate paper`: a table and a plot per workload."""
+    settings.out.mkdir(parents=True, exist_ok=True)
     if settings.results:
         settings.results.mkdir(parents=True, exist_ok=True)
     for dataset in settings.workloads.split(","):
