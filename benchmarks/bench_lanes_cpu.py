@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from bulletserve.bench.server_process import ServerProcess, free_port
 
 SLO_FACTOR = 5.0
 CONFIGS = {
@@ -81,29 +82,9 @@ def slos(iso: dict, mode: str) -> dict[str, float]:
     return {"ttft_base": SLO_FACTOR * max(base, 0.0), "ttft": SLO_FACTOR * per_token, "tpot": tpot}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("server did not become healthy")
-
-
-def start_server(label: str, flags: list[str], args, slo: dict) -> tuple[subprocess.Popen, int]:
-    """`bullet serve` for one configuration, healthy, with its step log; (process, port)."""
-    port = _free_port()
+def start_server(label: str, flags: list[str], args, slo: dict) -> tuple[ServerProcess, int]:
+    """`bullet serve` for one configuration, healthy, with its step log; (server, port)."""
+    port = free_port()
     step_log = args.out / f"{label}.steps.jsonl"
     step_log.unlink(missing_ok=True)
     serve = [sys.executable, "-m", "bulletserve.cli", "serve", "--port", str(port)]
@@ -111,13 +92,12 @@ def start_server(label: str, flags: list[str], args, slo: dict) -> tuple[subproc
     serve += ["--step-log", str(step_log), "--log-level", "warning", *flags]
     if args.hardware_profile:
         serve += ["--hardware-profile", str(args.hardware_profile)]
-    with open(args.out / f"{label}.serve.log", "w") as log:
-        server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(serve, port, args.out / f"{label}.serve.log")
     try:
-        _wait_healthy(port, server, 300)
+        server.wait_ready(300, poll_s=1)
         _warm_up(port)
     except BaseException:
-        stop_server(server)
+        server.stop(120)
         raise
     return server, port
 
@@ -133,11 +113,6 @@ def _warm_up(port: int) -> None:
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         response.read()
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    server.terminate()
-    server.wait(timeout=120)
 
 
 def slo_flags(slo: dict) -> list[str]:
@@ -168,7 +143,7 @@ def run_config(label: str, flags: list[str], args, slo: dict) -> Path:
     try:
         return run_bench(label, port, args.rates, args.out / f"{label}.json", args, slo)
     finally:
-        stop_server(server)
+        server.stop(120)
 
 
 def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
@@ -197,7 +172,7 @@ def run_interleaved(labels: list[str], args, slo: dict) -> list[Path]:
                     print(f"{label} at {rate} req/s done{suffix}", flush=True)
     finally:
         for server, _ in servers.values():
-            stop_server(server)
+            server.stop(120)
     files = []
     for label, paths in parts.items():
         results = [load_result(path) for path in paths]

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+
+from bulletserve.bench.server_process import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
@@ -61,37 +60,17 @@ def server_command(config: str, port: int, max_model_len: int) -> tuple[list[str
     return [*command, "--log-level", "warning", caching], {}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
+    """One configuration's server (`ServerProcess`) and its prefix-cache counters."""
+
     def __init__(self, config: str, args: argparse.Namespace) -> None:
         self.config = config
         self.port = free_port()
         command, env = server_command(config, self.port, args.max_model_len)
-        self.log = (args.out / f"{config}.serve.log").open("w")
-        self.process = subprocess.Popen(
-            command,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.config}: server exited; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(2)
-        raise TimeoutError(f"{self.config}: not ready after {timeout_s} s; see {self.log.name}")
+        log = args.out / f"{config}.serve.log"
+        self.process = ServerProcess(command, self.port, log, env)
+        self.wait_ready = self.process.wait_ready
+        self.stop = self.process.stop
 
     def cache_counters(self) -> tuple[float, float]:
         """(prefix-cache queries, hits) so far, in tokens."""
@@ -103,15 +82,6 @@ class Server:
                 if line.startswith(f"vllm:prefix_cache_{kind}_total"):
                     totals[kind] += float(line.rsplit(" ", 1)[1])
         return totals["queries"], totals["hits"]
-
-    def stop(self) -> None:
-        os.killpg(self.process.pid, 15)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
-        self.log.close()
 
 
 def bench(server: Server, rate: str, seed: int, out: Path, args: argparse.Namespace) -> None:

@@ -20,7 +20,6 @@ import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
+from bulletserve.bench.server_process import ServerProcess
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,26 +62,15 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--model", args.model] if args.model else [])
 
 
-def start_server(args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, log_path: Path) -> ServerProcess:
     command = [
         sys.executable, "-c", "import sys; from bulletserve.cli import main; sys.exit(main())",
         "serve", "--host", "127.0.0.1", "--port", str(args.port), "--log-level", "warning",
         *engine_flags(args),
     ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{args.port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            sys.exit(f"bullet serve exited:\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    sys.exit("bullet serve did not start within 300 s")
+    server = ServerProcess(command, args.port, log_path)
+    server.wait_ready(300, poll_s=0.5)
+    return server
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> int:
@@ -181,12 +171,12 @@ def main() -> None:
         url = f"http://127.0.0.1:{args.port}"
         try:
             offline_run(llm, warmup, args)
-            server_run(url, server.pid, warmup, args)
+            server_run(url, server.process.pid, warmup, args)
             offline, served, load = [], [], []
             for run in range(args.runs):
                 load.append(os.getloadavg()[0])  # other work on the machine skews a run
                 offline.append(offline_run(llm, prompts, args))
-                served.append(server_run(url, server.pid, prompts, args))
+                served.append(server_run(url, server.process.pid, prompts, args))
                 print(
                     f"run {run + 1}: offline {offline[-1].tok_s:.1f} tok/s "
                     f"({offline[-1].tok_per_cpu_s:.1f} tok/CPU-s), server "
@@ -196,8 +186,7 @@ def main() -> None:
                     flush=True,
                 )
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
 
     def median_ratio(metric: str) -> float:
         ratios = [

@@ -34,11 +34,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
+
+from bulletserve.bench.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
@@ -91,21 +92,18 @@ def server_command(
 
 
 class Server:
-    """A server process, its readiness and its process tree's peak RSS."""
+    """A server process (`ServerProcess`) and its process tree's peak RSS."""
 
     def __init__(self, command: list[str], port: int, log: Path) -> None:
-        self.port = port
-        self.log = log.open("w")
-        self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.process = ServerProcess(command, port, log)
+        self.wait_ready = self.process.wait_ready
         self.peak_rss = 0
         self._sampling = True
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
 
     def _sample(self) -> None:
-        root = psutil.Process(self.process.pid)
+        root = psutil.Process(self.process.process.pid)
         while self._sampling:
             try:
                 tree = [root, *root.children(recursive=True)]
@@ -115,29 +113,9 @@ class Server:
                 pass
             time.sleep(0.5)
 
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"server exited ({self.process.returncode}); see {self.log.name}"
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(2)
-        raise TimeoutError(f"server not ready after {timeout_s} s; see {self.log.name}")
-
     def stop(self) -> None:
         self._sampling = False
-        os.killpg(self.process.pid, 15)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
-        self.log.close()
+        self.process.stop()
 
 
 def run_client(
