@@ -201,9 +201,12 @@ def test_a_grammar_past_the_deadline_is_a_400_and_the_server_serves_on():
     try:
         with running_app(engine) as url:
             warm = {"prompt": "Hi", "max_tokens": 2, "guided_regex": "[a-z]+"}
-            # The first compile also waits for the compiler process to start.
+            # The first compile also waits for the compiler process to start (seconds, more
+            # beside another worker's tests).
             for _ in range(10):
-                response = httpx.post(url + "/v1/completions", json=warm, trust_env=False)
+                response = httpx.post(
+                    url + "/v1/completions", json=warm, trust_env=False, timeout=60
+                )
                 if response.status_code == 200:
                     break
             assert response.status_code == 200, response.text
