@@ -53,7 +53,8 @@ def test_stops_logprobs_seeds_and_constraints_match_the_serial_engine(tiny_llama
     """Requests that end early (EOS, stop tokens and strings, length), ask for logprobs (of
     their prompt too), draw with their own seeds, or read their own output (a penalty,
     min_tokens, a grammar: each draws after the step before is read back), and prompts
-    repeated for the prefix cache."""
+    repeated for the prefix cache.
+    Slow (about 10 s): two engines, each request kind run under both."""
     prompts = random_prompts(12, seed=21, low=20, high=50)
     prompts += prompts[:4]
     params = [

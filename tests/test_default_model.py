@@ -33,7 +33,9 @@ def llm_fp32() -> LLM:
 
 def test_greedy_output_equals_transformers_generate(llm_fp32):
     """transformers dequantizes the GGUF file with its own code, so this also checks our
-    GGUF conversion (the q/k row permutation in particular)."""
+    GGUF conversion (the q/k row permutation in particular).
+    Slow (about 20 s): transformers parses the file's metadata twice in Python and
+    dequantizes it; what it checks needs transformers' own reading of the file."""
     from transformers import AutoModelForCausalLM
 
     gguf = default_model_file()
@@ -72,6 +74,8 @@ def test_the_vllm_shaped_api_on_the_default_model(llm_fp32):
 
 
 def test_cli_answers_paris():
+    """`bullet generate --chat` on the default model, as a user runs it. Slow (about 8 s):
+    a process of its own loads torch and the model."""
     command = [sys.executable, "-m", "bulletserve.cli", "generate", "--chat", "--temperature", "0"]
     command += ["--prompt", "Name the capital of France.", "--max-tokens", "32"]  # as above
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -80,6 +84,8 @@ def test_cli_answers_paris():
 
 
 def test_cli_bad_input_is_one_clear_line(tmp_path, capsys):
+    """Each bad input to `bullet generate` is one line, no traceback. Slow (about 7 s): the
+    CLI runs in-process once per case, loading the model where the input gets that far."""
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all")
     cases = [
@@ -104,7 +110,8 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, capsys):
 def test_bf16_greedy_outputs_differ_only_at_near_ties():
     """The README's promise: in bf16 a request's greedy tokens are equal, beside any neighbours
     and with the prefix cache on or off, up to near-ties. Where two runs part, both saw the same
-    tokens before, so each run's choice must be the other's runner-up, close behind."""
+    tokens before, so each run's choice must be the other's runner-up, close behind.
+    Slow (about 8 s): two bf16 engines on the default model, twenty prompts each."""
     import random
 
     rng = random.Random(7)
@@ -145,7 +152,9 @@ def test_bf16_greedy_outputs_differ_only_at_near_ties():
 def test_packed_perplexity_is_the_dequantized_models():
     """`bullet perplexity` on the shipped texts (two chunks): the file served packed
     (`--quantization gguf`, int8 activations where the CPU has AVX2) within 1% of the file
-    dequantized at load (the whole text: 16.54 against 16.46; llama-perplexity 16.49)."""
+    dequantized at load (the whole text: 16.54 against 16.46; llama-perplexity 16.49).
+    Slow (about 15 s): two models of the file scored over two 512-token chunks, one of
+    them through the CLI as a user runs it."""
     from bulletserve.accuracy.perplexity import default_text, perplexity
     from bulletserve.model.loader import load_model
     from bulletserve.model.source import resolve_model

@@ -217,7 +217,8 @@ def test_a_config_with_a_pad_id_past_the_vocabulary_names_the_key(tiny_llama_dir
 
 
 def test_bullet_serve_prints_the_one_line_and_exits_non_zero(tiny_llama_dir, tmp_path):
-    """As a user sees it: the message alone, no traceback (one with --log-level debug)."""
+    """As a user sees it: the message alone, no traceback (one with --log-level debug). Slow
+    (about 8 s): two `bullet serve` processes, each importing torch before it reads the file."""
     path = write_llama_gguf(
         tiny_llama_dir, tmp_path / "bad.gguf", {}, {"llama.attention.head_count": 0}
     )

@@ -19,6 +19,8 @@ from bulletserve.replicas.ray_replicas import RayReplicas  # noqa: E402
 
 @pytest.fixture(scope="module")
 def replicas():
+    """Two replicas on a local Ray instance. Slow (about 18 s): Ray's own start, then two
+    actors each loading torch and the model."""
     need_tokenizer()
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False)
     config = EngineConfig(

@@ -40,6 +40,8 @@ BODIES = [
 
 @pytest.fixture(scope="module")
 def core():
+    """One core process for the module's tests. Slow (about 8 s): its own interpreter loads
+    torch and the model."""
     need_tokenizer()
     engine = CoreProcess(EngineConfig(model="tiny", load_format="dummy"))
     yield engine
@@ -170,7 +172,8 @@ def test_bullet_serve_under_async_scheduling_answers_as_serial_steps_and_exits_w
     """`bullet serve --engine-core process --async-scheduling` answers as the serial engine in
     process does; then, as a supervisor sees it, its core killed under an open stream: the
     stream ends with an error event and [DONE], and the server process exits 1 within
-    seconds, its log saying why."""
+    seconds, its log saying why. Slow (about 25 s): the server and its core are two processes
+    loading torch and the model, and every body runs whole and streamed."""
     server = ServerProcess(
         ["--model", "tiny", "--load-format", "dummy", "--engine-core", "process",
          "--async-scheduling", "--shutdown-timeout", "5"],

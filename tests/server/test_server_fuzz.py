@@ -36,6 +36,7 @@ def session():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_no_input_gets_a_5xx_or_hangs(server, session, mode):
+    """Slow (about 10 s): schemathesis sends a few hundred generated bodies to every route."""
     url, engine = server
     api = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]

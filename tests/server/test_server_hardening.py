@@ -34,6 +34,9 @@ def _metric(url: str, name: str) -> float | None:
 
 @pytest.mark.timeout(180)
 def test_a_plain_request_whose_socket_closes_leaves_no_traceback_and_is_freed(tmp_path):
+    """A client whose socket closes under a plain (not streamed) request: the request is
+    aborted and freed, and the server's log holds no traceback. Slow (about 8 s): the log is
+    a `bullet serve` process's own."""
     need_tokenizer()
     server = ServerProcess(["--load-format", "dummy", "--model", "tiny"], tmp_path / "serve.log")
     try:

@@ -224,6 +224,8 @@ def test_a_grammar_past_the_deadline_is_a_400_and_the_server_serves_on():
 
 @pytest.mark.timeout(240)
 def test_sigterm_stops_the_server_within_its_timeout_with_compiles_in_flight(tmp_path):
+    """SIGTERM while grammars compile: the server ends within its 4 s shutdown timeout. Slow
+    (about 12 s): a `bullet serve` process, its compiler process, and the timeout itself."""
     need_tokenizer()
     server = ServerProcess(
         [

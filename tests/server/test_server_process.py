@@ -31,6 +31,8 @@ def _stream_until_done(url: str, started: threading.Event, results: list) -> Non
 
 @pytest.mark.timeout(180)
 def test_sigterm_lets_in_flight_requests_finish_and_exits_0(tmp_path):
+    """SIGTERM with streams in flight and a long shutdown timeout: they finish, the process
+    exits 0. Slow (about 7 s): a `bullet serve` process."""
     need_tokenizer()
     server = ServerProcess(
         ["--load-format", "dummy", "--model", "tiny", "--shutdown-timeout", "60"],
@@ -119,6 +121,8 @@ def test_shutdown_timeout_ends_what_is_left_and_exits_0(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_default_model_answers_through_the_openai_client(tmp_path):
+    """The default model served by `bullet serve` and asked through the openai SDK. Slow
+    (about 15 s): the server's process loads torch and the model."""
     need_tokenizer()
     server = ServerProcess(["--served-model-name", "smol"], tmp_path / "serve.log")
     try:
