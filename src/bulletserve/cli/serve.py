@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Literal
 from bulletserve.cli import CLIError
 from bulletserve.engine.config import EngineConfig, add_engine_args
 from bulletserve.sched.slo import parse_slo_class
+from bulletserve.server.reasoning import REASONING_PARSERS
 from bulletserve.server.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_WAITING_REQUESTS,
@@ -120,6 +122,22 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "llama3_json (Llama 3.x) (default: read off the chat template)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reasoning model's output into `reasoning_content` and `content` (chat "
+        "completions): deepseek_r1 (reasoning until </think>) or qwen3 (reasoning only where "
+        "the output opens <think>; none with enable_thinking false)",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="the chat template's extra inputs by default, e.g. '{\"enable_thinking\": false}' "
+        "(a request's chat_template_kwargs override them)",
+    )
+    parser.add_argument(
         "--engine-core",
         choices=ENGINE_CORES,
         default="auto",
@@ -168,6 +186,17 @@ def _log_to_stderr(level: str) -> None:
     package.addHandler(handler)
     package.setLevel(level.upper())
     package.propagate = False
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (argparse names the flag where this raises)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -241,6 +270,10 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from exc  # the cause's traceback under --log-level debug
     for line in engine.describe():
         logger.info(line)
+    if args.reasoning_parser is not None:
+        logger.info(
+            "reasoning parser: %s (chat completions' reasoning_content)", args.reasoning_parser
+        )
     settings = ServerSettings(
         served_model_name=args.served_model_name or engine.front.name,
         api_key=args.api_key or os.environ.get("BULLET_API_KEY") or None,
@@ -248,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
         chat_template=chat_template,
         log_requests=args.enable_log_requests,
         log_stats_interval_s=0.0 if args.disable_log_stats else STATS_INTERVAL_S,

@@ -13,7 +13,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from bulletserve.engine.request import RequestOutput, TokenLogprob
-from bulletserve.server.fields import tools_for_template
+from bulletserve.server.fields import structure_of, tools_for_template
 from bulletserve.server.http_errors import APIError
 from bulletserve.server.protocol import (
     AssistantMessage,
@@ -27,12 +27,20 @@ from bulletserve.server.protocol import (
     ChatTemplateFields,
     ChatTokenLogprob,
     ChunkFrame,
+    CompletionTokensDetails,
     DeltaMessage,
     FunctionCallDelta,
     NamedToolChoice,
     ToolCallDelta,
     ToolCallOut,
     TopLogprob,
+    Usage,
+)
+from bulletserve.server.reasoning import (
+    ReasoningParser,
+    ReasoningSplit,
+    ReasoningStream,
+    reasoning_tokens,
 )
 from bulletserve.server.serving import (
     ChoiceWork,
@@ -124,7 +132,7 @@ class ChatServing:
         tools: list[dict[str, Any]] | None,
     ) -> list[int]:
         tokenizer = self.serving.tokenizer
-        kwargs = dict(body.chat_template_kwargs or {})
+        kwargs = self.template_kwargs(body)
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
@@ -140,6 +148,23 @@ class ChatServing:
                 400, f"the chat template rejected the messages: {exc}", "messages"
             ) from None
         return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+    def template_kwargs(self, body: ChatTemplateFields) -> dict[str, Any]:
+        """The chat template's extra inputs: --default-chat-template-kwargs, then the
+        request's `chat_template_kwargs` over them."""
+        return {
+            **self.serving.settings.default_chat_template_kwargs,
+            **(body.chat_template_kwargs or {}),
+        }
+
+    def reasoning_parser(self, body: ChatCompletionRequest) -> ReasoningParser | None:
+        """The request's reasoning parser (--reasoning-parser), thinking as its template
+        kwargs say (`enable_thinking`)."""
+        name = self.serving.settings.reasoning_parser
+        if name is None:
+            return None
+        thinking = self.template_kwargs(body).get("enable_thinking", True) is not False
+        return ReasoningParser(name, thinking)
 
     def tool_mode(self, body: ChatCompletionRequest) -> ToolMode | None:
         choice = body.tool_choice
@@ -165,6 +190,19 @@ class ChatServing:
         if body.stream and width > body.n:
             raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
         mode = self.tool_mode(body)
+        reasoning = self.reasoning_parser(body)
+        _, structured = structure_of(body)
+        if reasoning is not None and reasoning.thinks and structured is not None:
+            # The grammar would hold the reasoning to the answer's structure from its first
+            # token (and the answer would land in reasoning_content): refused until a grammar
+            # can start where the reasoning ends.
+            raise APIError(
+                400,
+                f"{structured} with --reasoning-parser {reasoning.name}: structured outputs "
+                "after the reasoning are not served yet (with qwen3, chat_template_kwargs "
+                '{"enable_thinking": false} turns the reasoning off)',
+                structured,
+            )
         admission = serving.admit(body, width)
         try:
             service = serving.service(body)
@@ -192,7 +230,7 @@ class ChatServing:
         outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
             events = _ChatEvents(
-                self, response_id, body.include_usage, body.continuous_usage, mode, echo
+                self, response_id, body.include_usage, body.continuous_usage, mode, echo, reasoning
             )
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
@@ -201,7 +239,7 @@ class ChatServing:
         finals = await serving.final_outputs(request, outputs)
         if finals is None:
             return Response(status_code=499)
-        build = partial(self._response, body, finals, width, mode, echo, response_id)
+        build = partial(self._response, body, finals, width, mode, echo, response_id, reasoning)
         return await serving.response(body.prompt_logprobs is not None or body.logprobs, build)
 
     def _response(
@@ -212,6 +250,7 @@ class ChatServing:
         mode: ToolMode | None,
         echo: str,
         response_id: str,
+        reasoning: ReasoningParser | None,
     ) -> Response:
         serving = self.serving
         ranked = [finals[k] for k in range(width)]
@@ -219,10 +258,15 @@ class ChatServing:
             ranked.sort(key=lambda out: -sum(lp.logprob for lp in out.logprobs or ()))
         response_choices = []
         for index, final in enumerate(ranked[: body.n]):
-            content: str | None = echo + final.text
+            split = ReasoningSplit(None, final.text)
+            if reasoning is not None:
+                split = reasoning.split(final.text)
+            content: str | None = echo + (split.content or "")
+            if split.content is None and not echo:
+                content = None
             calls: list[ParsedCall] = []
-            if mode is not None:
-                content, calls = mode.calls(final.text)
+            if mode is not None and split.content is not None:
+                content, calls = mode.calls(split.content)
             finish = final.finish_reason
             if calls and mode is not None and mode.kind != "named":
                 finish = "tool_calls"
@@ -232,6 +276,8 @@ class ChatServing:
             message = AssistantMessage(
                 content=content,
                 tool_calls=[ToolCallOut(**call.with_id()) for call in calls] or None,
+                reasoning_content=split.reasoning,
+                reasoning=split.reasoning,
             )
             response_choices.append(
                 ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
@@ -240,13 +286,25 @@ class ChatServing:
             id=response_id,
             model=serving.model_name,
             choices=response_choices,
-            usage=usage(ranked),
+            usage=self.usage(ranked, reasoning),
             # The first choice computed them (SamplingParams.for_choice).
             prompt_logprobs=serving.prompt_logprobs(
                 finals[0].prompt_logprobs, body.prompt_logprobs
             ),
         )
         return Response(response.model_dump_json(), media_type="application/json")
+
+    def usage(self, outputs: list[RequestOutput], reasoning: ReasoningParser | None) -> Usage:
+        """The choices' usage; under a reasoning parser with the reasoning tokens counted."""
+        counted = usage(outputs)
+        if reasoning is not None:
+            decode = self.serving.tokenizer.decode
+            spent = sum(
+                reasoning_tokens(out.token_ids, reasoning.split(out.text), decode)
+                for out in outputs
+            )
+            counted.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=spent)
+        return counted
 
     def logprobs(self, items: list[TokenLogprob]) -> ChatLogprobs:
         decode = self.serving.tokenizer.decode
@@ -274,17 +332,21 @@ def _with_system(system: dict[str, str], conversation: list[dict[str, Any]]) -> 
 
 @dataclass
 class _ChoiceStream:
-    """What one streamed choice has sent: its role chunk, how much of its text, its logprobs."""
+    """What one streamed choice has sent: its role chunk, how much of its answer, its
+    logprobs, and under a reasoning parser how much of each part."""
 
     sent_role: bool = False
     sent_chars: int = 0
     num_logprobs: int = 0
+    reasoning: ReasoningStream | None = None
+    content: str = ""  # the answer so far (the whole text without a reasoning parser)
 
 
 class _ChatEvents:
-    """The chunks of one streamed chat completion: per choice the role first, then content
-    deltas; under a tool mode the text from where a call may start is held back, and at the end
-    it goes out as tool-call deltas (or, where it holds no call, as content)."""
+    """The chunks of one streamed chat completion: per choice the role first, then reasoning
+    deltas (under a reasoning parser) and content deltas; under a tool mode the answer from
+    where a call may start is held back, and at the end it goes out as tool-call deltas (or,
+    where it holds no call, as content)."""
 
     def __init__(
         self,
@@ -294,8 +356,10 @@ class _ChatEvents:
         continuous_usage: bool,
         mode: ToolMode | None,
         echo: str,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.owner = owner
+        self.reasoning = reasoning
         self.request_id = request_id
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # usage in every chunk, of its choice
@@ -317,12 +381,15 @@ class _ChatEvents:
             created=self.created,
             model=self.owner.serving.model_name,
             choices=choices,
-            usage=usage(outputs),
+            usage=self.owner.usage(outputs, self.reasoning),
         )
         return chunk.model_dump_json()
 
     def deltas(self, index: int, output: RequestOutput) -> list[str]:
-        state = self.choices.setdefault(index, _ChoiceStream())
+        state = self.choices.get(index)
+        if state is None:
+            stream = None if self.reasoning is None else ReasoningStream(self.reasoning)
+            state = self.choices[index] = _ChoiceStream(reasoning=stream)
         so_far = [output] if self.continuous_usage else None
         events = []
         if not state.sent_role:
@@ -335,7 +402,13 @@ class _ChatEvents:
         if output.logprobs is not None:
             logprobs = self.owner.logprobs(output.logprobs[state.num_logprobs :])
             state.num_logprobs = len(output.logprobs)
-        text, mode = output.text, self.mode
+        new_reasoning = ""
+        if state.reasoning is None:
+            state.content = output.text
+        else:
+            new_reasoning, new_answer = state.reasoning.advance(output.text, output.finished)
+            state.content += new_answer
+        text, mode = state.content, self.mode
         visible = len(text)
         if mode is not None:
             cut = 0 if mode.kind != "auto" else may_start_call(text, mode.parser)
@@ -346,6 +419,10 @@ class _ChatEvents:
             if not calls:
                 visible = len(text)
         delta = DeltaMessage(content=text[state.sent_chars : visible])
+        if new_reasoning:
+            delta.reasoning_content = delta.reasoning = new_reasoning
+            if visible == state.sent_chars:
+                delta.content = None  # a reasoning delta alone
         state.sent_chars = visible
         finish = output.finish_reason if output.finished else None
         if calls:

@@ -43,6 +43,8 @@ REFUSED: dict[str, Any] = {
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "reasoning_effort": None,
+    "thinking_token_budget": None,
+    "include_reasoning": True,
 }
 
 
@@ -506,11 +508,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Under --reasoning-parser: how many completion tokens were reasoning.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -579,6 +587,9 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    # Under --reasoning-parser, the reasoning under both names clients read (vLLM renamed it).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -614,6 +625,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from bulletserve.sched.base import SchedulingPolicy
 from bulletserve.sched.slo import SLO
+from bulletserve.server.reasoning import ReasoningParserName
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 # Python's JSON parser holds the interpreter lock while it parses (no thread takes it off the
@@ -34,6 +35,10 @@ class ServerSettings:
     # --chat-template, which takes a file or the template inline).
     chat_template: str | None = None
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # --reasoning-parser: a reasoning model's output split into reasoning and answer.
+    reasoning_parser: ReasoningParserName | None = None
+    # --default-chat-template-kwargs: what a request's chat_template_kwargs add to or override.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # A log line per request when it arrives (prompt tokens, sampling settings) and when it
     # ends (vLLM's --enable-log-requests).
     log_requests: bool = False
