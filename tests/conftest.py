@@ -16,18 +16,6 @@ if not torch.cuda.is_available():
 from tests.tiny_models import GREEDY, make_hf_model, random_prompts, tiny_llm
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test`: --dist loadgroup), a module's tests that share a
-    module-scoped fixture (a server, a model, a Ray cluster) run on one worker, so it is made
-    once; every other test goes to whichever worker is free."""
-    for item in items:
-        definitions = getattr(item, "_fixtureinfo", None)
-        if definitions is None:
-            continue
-        if any(defs[-1].scope == "module" for defs in definitions.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny Llama with peaked logits (large init), so greedy choices have clear margins."""
