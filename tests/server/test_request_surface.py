@@ -271,6 +271,34 @@ def test_tool_choice_auto_parses_a_call_and_streams_it_as_deltas(client):
     assert json.loads(calls[0]["arguments"])["city"] == "Paris"
 
 
+def test_a_qwen3_coder_call_is_parsed_whole_and_streamed(engine):
+    """The same under --tool-call-parser qwen3_coder: the random model made to write its XML
+    call; the parameters come back typed by the tool's schema."""
+    call_text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>"
+    )
+    regex = "Let me check\\. " + call_text
+    kwargs = dict(tools=[WEATHER], tool_choice="auto", extra_body={"guided_regex": regex})
+    with (
+        running_app(engine, enable_auto_tool_choice=True, tool_call_parser="qwen3_coder") as url,
+        httpx.Client(trust_env=False, timeout=120) as http,
+    ):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, http_client=http)
+        message = chat(client, **kwargs).choices[0].message
+        assert message.content == "Let me check."
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+        arguments, content = "", ""
+        for chunk in chat(client, stream=True, **kwargs):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or ())
+        assert "<tool_call>" not in content
+        assert json.loads(arguments) == {"city": "Paris", "unit": "celsius"}
+
+
 def test_an_auto_call_of_a_tool_not_offered_stays_content(client):
     call = {"name": "delete_everything", "arguments": {}}
     call_text = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"

@@ -91,3 +91,71 @@ def test_an_earlier_call_becomes_text_for_a_template_without_tools():
     assert text.startswith("<tool_call>") and parse_calls(text, "hermes")[1] == [
         ParsedCall("a", '{"x": 1}')
     ]
+
+
+# Qwen3-Coder's format, as its chat template describes it to the model.
+QWEN3_CODER = """I will look it up.
+<tool_call>
+<function=get_weather>
+<parameter=city>
+New York
+</parameter>
+<parameter=days>
+3
+</parameter>
+<parameter=units>
+{"temperature": "celsius"}
+</parameter>
+</function>
+</tool_call>
+<tool_call>
+<function=list_files>
+<parameter=path>
+007
+</parameter>
+</function>
+</tool_call>"""
+SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "units": {"type": "object"},
+        },
+    },
+    "list_files": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+
+
+def test_qwen3_coder_calls_take_their_parameters_types_from_the_tools_schemas():
+    content, calls = parse_calls(QWEN3_CODER, "qwen3_coder", SCHEMAS)
+    assert content == "I will look it up."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "days": 3, "units": {"temperature": "celsius"}}),
+        ("list_files", {"path": "007"}),  # a string by its schema, though it reads as a number
+    ]
+    # Without a schema for a parameter, its value stays text.
+    _, (bare, _) = parse_calls(QWEN3_CODER, "qwen3_coder", {})
+    assert json.loads(bare.arguments)["days"] == "3"
+
+
+def test_a_qwen3_coder_block_cut_short_still_parses_and_text_without_one_is_content():
+    cut = QWEN3_CODER.split("</function>")[0]  # max_tokens ended it inside the first call
+    _, calls = parse_calls(cut, "qwen3_coder", SCHEMAS)
+    assert json.loads(calls[0].arguments) == {
+        "city": "New York",
+        "days": 3,
+        "units": {"temperature": "celsius"},
+    }
+    assert parse_calls("No tools needed.", "qwen3_coder", SCHEMAS) == ("No tools needed.", [])
+    assert parse_calls("<tool_call>no function</tool_call>", "qwen3_coder", SCHEMAS)[1] == []
+    assert may_start_call("I will look it up.\n<tool", "qwen3_coder") == 19
+
+
+def test_qwen3_coders_template_is_read_as_its_format():
+    template = (
+        "{% if tools %}<tool_call>\n<function=example_function_name>\n"
+        "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>{% endif %}"
+    )
+    assert detect_parser(template) == "qwen3_coder"

@@ -4,7 +4,7 @@ generation, then the tool calls parsed out of the text where the request allows 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -52,6 +52,7 @@ from bulletserve.server.serving import (
 from bulletserve.server.tools import (
     ParsedCall,
     ToolParserName,
+    ToolSchemas,
     calls_as_text,
     detect_parser,
     forced_calls,
@@ -72,13 +73,14 @@ class ToolMode:
     parser: ToolParserName
     name: str | None = None  # the named function
     offered: frozenset[str] = frozenset()  # the request's tools' names
+    schemas: ToolSchemas = field(default_factory=dict)  # their parameters, by name
 
     def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls) of a finished output. A forced output cut short (max_tokens) does
         not parse: it stays content, as does text that calls a tool the request did not offer
         (a constraint such as guided_regex can spell one)."""
         if self.kind == "auto":
-            content, calls = parse_calls(text, self.parser)
+            content, calls = parse_calls(text, self.parser, self.schemas)
             if any(call.name not in self.offered for call in calls):
                 return text, []
             return content, calls
@@ -182,7 +184,8 @@ class ChatServing:
                 'give tool_choice "required" or a named function, or "none"',
                 "tool_choice",
             )
-        return ToolMode("auto", self.parser, offered=frozenset(t.function.name for t in body.tools))
+        schemas = {t.function.name: t.function.parameters or {} for t in body.tools}
+        return ToolMode("auto", self.parser, offered=frozenset(schemas), schemas=schemas)
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from bulletserve.sched.base import SchedulingPolicy
 from bulletserve.sched.slo import SLO
 from bulletserve.server.reasoning import ReasoningParserName
+from bulletserve.server.tools import ToolParserName
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 # Python's JSON parser holds the interpreter lock while it parses (no thread takes it off the
@@ -34,7 +35,7 @@ class ServerSettings:
     # A Jinja chat template (its text) to use instead of the tokenizer's (vLLM's
     # --chat-template, which takes a file or the template inline).
     chat_template: str | None = None
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    tool_call_parser: ToolParserName | None = None
     # --reasoning-parser: a reasoning model's output split into reasoning and answer.
     reasoning_parser: ReasoningParserName | None = None
     # --default-chat-template-kwargs: what a request's chat_template_kwargs add to or override.

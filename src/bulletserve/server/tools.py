@@ -1,11 +1,14 @@
 """Tool calling: the tools into the chat template, and the calls out of the model's text.
 
-Two output formats, as vLLM's parsers of the same names read them:
+Three output formats, as vLLM's parsers of the same names read them:
 
 - `hermes` (Qwen2.5, Qwen3, Hermes, and SmolLM2): `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` blocks (a block may hold a list of calls), after optional text;
 - `llama3_json` (Llama 3.1-3.3): the whole output is a JSON call `{"name": ..., "parameters":
-  {...}}` (or several separated by `;`), optionally after `<|python_tag|>`.
+  {...}}` (or several separated by `;`), optionally after `<|python_tag|>`;
+- `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=P>VALUE</parameter>...
+  </function></tool_call>` blocks, each value text made the type its tool's schema gives the
+  parameter (a string where the schema gives none).
 
 Which one a model uses is read off its chat template (`--tool-call-parser` overrides). A template
 that takes no tools (SmolLM2's) gets them in a system message in the hermes format instead, so
@@ -20,12 +23,20 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-ToolParserName = Literal["hermes", "llama3_json"]
-TOOL_PARSERS: tuple[ToolParserName, ...] = ("hermes", "llama3_json")
+ToolParserName = Literal["hermes", "llama3_json", "qwen3_coder"]
+TOOL_PARSERS: tuple[ToolParserName, ...] = ("hermes", "llama3_json", "qwen3_coder")
 
 _HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(
+    r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|(?=</function>)|$)",
+    re.DOTALL,
+)
+# A function's parameters' JSON schemas by name, from the request's tools (qwen3_coder types
+# its text values by them).
+ToolSchemas = dict[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,9 @@ def template_takes_tools(template: str | None) -> bool:
 def detect_parser(template: str | None) -> ToolParserName:
     """The output format a chat template asks for: llama3_json for Llama 3.x's templates,
     hermes otherwise (and for templates that take no tools, which get hermes' instructions)."""
+    if template and template_takes_tools(template) and "<function=" in template:
+        if "<parameter=" in template:
+            return "qwen3_coder"
     if template and template_takes_tools(template) and _HERMES_START not in template:
         if _PYTHON_TAG in template or "ipython" in template or '"parameters"' in template:
             return "llama3_json"
@@ -93,7 +107,7 @@ def calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
 def may_start_call(text: str, parser: ToolParserName) -> int | None:
     """Where, in text generated so far, a tool call starts or may be starting (a prefix of its
     marker at the end): the streamed content stops there. None: all of it is plain content."""
-    if parser == "hermes":
+    if parser in ("hermes", "qwen3_coder"):
         at = text.find(_HERMES_START)
         if at >= 0:
             return at
@@ -113,9 +127,13 @@ def may_start_call(text: str, parser: ToolParserName) -> int | None:
     return None
 
 
-def parse_calls(text: str, parser: ToolParserName) -> tuple[str | None, list[ParsedCall]]:
+def parse_calls(
+    text: str, parser: ToolParserName, schemas: ToolSchemas | None = None
+) -> tuple[str | None, list[ParsedCall]]:
     """(the content outside the calls, or None where there is none; the calls). Text that does
-    not parse as calls is all content."""
+    not parse as calls is all content. `schemas`: the offered tools' parameters (qwen3_coder)."""
+    if parser == "qwen3_coder":
+        return _parse_xml_calls(text, schemas or {})
     if parser == "hermes":
         at = text.find(_HERMES_START)
         if at < 0:
@@ -143,6 +161,40 @@ def parse_calls(text: str, parser: ToolParserName) -> tuple[str | None, list[Par
             return text, []
         calls.append(call)
     return None, calls
+
+
+def _parse_xml_calls(text: str, schemas: ToolSchemas) -> tuple[str | None, list[ParsedCall]]:
+    """qwen3_coder's `<tool_call><function=...><parameter=...>` blocks."""
+    at = text.find(_HERMES_START)
+    if at < 0:
+        return text, []
+    calls: list[ParsedCall] = []
+    for block in _HERMES_BLOCK.findall(text[at:]):
+        function = _FUNCTION.search(block)
+        if function is None:
+            return text, []
+        name = function.group(1).strip()
+        properties = (schemas.get(name) or {}).get("properties") or {}
+        arguments = {
+            key.strip(): _typed(value, properties.get(key.strip()))
+            for key, value in _PARAMETER.findall(function.group(2))
+        }
+        calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
+    content = text[:at].strip()
+    return (content or None), calls
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as the type its schema gives (as vLLM's qwen3_coder parser reads
+    it): a string where the schema says string or says nothing, else the value as JSON where
+    it parses so (`true`, `3`, `[1, 2]`), the text itself where it does not."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return value
+    parsed = _json(value.strip())
+    if parsed is None and value.strip() != "null":
+        return value
+    return parsed
 
 
 def forced_calls(text: str, named: str | None) -> list[ParsedCall]:
