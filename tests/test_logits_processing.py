@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from bulletserve.engine.request import Request, RequestTimings
 from bulletserve.engine.sampler import Sampler
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import (
+    GrammarAfter,
     GrammarCompiler,
     GrammarError,
     StructuredOutputs,
@@ -179,3 +181,37 @@ def test_json_object_means_an_object(compiler, tokenizer):
     process_logits(logits, [req], [0])
     allowed = {tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten()}
     assert allowed and all(text.startswith("{") for text in allowed)
+
+
+def test_a_grammar_after_a_marker_frees_the_reasoning_and_holds_the_answer(compiler, tokenizer):
+    """A reasoning model's structured answer (`structured_outputs_after`): every token is
+    allowed until the output's text holds `</think>`, then only the structure's; the text the
+    marker's last token carries past it counts as the answer's start (whitespace left out), and
+    the answer begins right after it."""
+    structure = StructuredOutputs.json_schema(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
+    decode = partial(tokenizer.decode, skip_special_tokens=False)
+    gate = GrammarAfter(compiler.state(structure), "</think>", decode)
+    req = request([1], [], temperature=0)
+    req.grammar = gate
+    vocab = len(tokenizer)
+
+    def allowed() -> set[str]:
+        logits = torch.zeros(1, vocab)
+        process_logits(logits, [req], [0])
+        return {tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten()}
+
+    assert len(allowed()) > vocab // 2  # reasoning: free
+    for token in tokenizer.encode("Let me think: a is one.</think>", add_special_tokens=False):
+        assert gate.accept(token) and not gate.terminated
+    assert gate.started
+    assert allowed() and all(text.startswith("{") for text in allowed())
+    for token in tokenizer.encode('{"a": 1}', add_special_tokens=False):
+        assert gate.accept(token)
+    assert gate.accept(tokenizer.eos_token_id) and gate.terminated
+    # What follows the marker, in the marker's own token or after it, is held to the grammar:
+    # after "</think" the ">" is not an object's start, however the text is cut into tokens.
+    cut = GrammarAfter(compiler.state(structure), "</think", decode)
+    assert not all(cut.accept(t) for t in tokenizer.encode("ok</think>", add_special_tokens=False))
+    assert cut.started

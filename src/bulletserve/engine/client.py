@@ -12,7 +12,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Protocol
 
@@ -22,7 +22,7 @@ from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.grammar_limits import GrammarLimits
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingDefaults, SamplingParams
-from bulletserve.engine.structured import GrammarCompiler, GrammarState
+from bulletserve.engine.structured import Grammar, GrammarAfter, GrammarCompiler
 from bulletserve.model.loader import load_config
 from bulletserve.model.source import ModelSource, resolve_model
 from bulletserve.model.tokenizer import load_tokenizer, stop_token_ids
@@ -110,9 +110,13 @@ class ModelFront:
         and after a space (vLLM's two spellings). Tokenizes and may compile: off the event
         loop where it is heavy (`needs_work_off_loop`)."""
         self.check_sampling(params)
-        grammar = None
+        grammar: Grammar | None = None
         if params.structured_outputs is not None:
             grammar = self.grammars.state(params.structured_outputs)
+            if params.structured_outputs_after is not None:
+                # A marker may be a special token: found in the text with them kept.
+                decode = partial(self.tokenizer.decode, skip_special_tokens=False)
+                grammar = GrammarAfter(grammar, params.structured_outputs_after, decode)
         spellings = [s for w in params.bad_words for s in (w, " " + w.lstrip(" "))]
         bad_words: dict[tuple[int, ...], None] = {}  # in order, each once
         if spellings:
@@ -125,7 +129,7 @@ class ModelFront:
 class DecodingState:
     """What a request carries to constrain its tokens (ModelFront.decoding_state)."""
 
-    grammar: GrammarState | None = None
+    grammar: Grammar | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
 
     @staticmethod

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 
 from bulletserve.engine.sampling_params import SamplingParams
-from bulletserve.engine.structured import GrammarState
+from bulletserve.engine.structured import Grammar
 from bulletserve.kv.allocator import salt_root
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.slo import ServiceClass
@@ -74,7 +74,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignore_eos)
     # Decoding state of its own: its place in the grammar its output must match, and the token
     # sequences of its bad words.
-    grammar: GrammarState | None = None
+    grammar: Grammar | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
     # With `params.prompt_logprobs`: per prompt position from 1, its logprob once computed.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)

@@ -18,6 +18,7 @@ import asyncio
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -276,6 +277,56 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of `bitmask` (allocate_bitmask's)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept_text(self, text: str) -> bool:
+        """Advance past `text` (what part of a token the grammar starts at); False if the
+        grammar does not allow it."""
+        return bool(self._matcher.accept_string(text))
+
+
+class GrammarAfter:
+    """A grammar that holds the output only after `marker` (a reasoning model's `</think>`:
+    the reasoning is free text, the answer is held to the structure, as vLLM enforces it).
+    Until the output's text holds the marker every token is allowed; then the grammar takes
+    the text after the marker in the token that completed it (its leading whitespace left out,
+    as between a tag and an answer), and from there masks and accepts as `GrammarState` does."""
+
+    # Tokens of recent output decoded to find the marker (it spans a few tokens at most).
+    WINDOW = 32
+
+    def __init__(
+        self, grammar: GrammarState, marker: str, decode: Callable[[list[int]], str]
+    ) -> None:
+        self._grammar = grammar
+        self._marker = marker
+        self._decode = decode
+        self._ids: list[int] = []
+        self.started = False
+
+    def accept(self, token: int) -> bool:
+        if self.started:
+            return self._grammar.accept(token)
+        self._ids = self._ids[-self.WINDOW :] + [token]
+        _, found, rest = self._decode(self._ids).partition(self._marker)
+        if not found:
+            return True
+        self.started = True
+        rest = rest.lstrip()
+        return self._grammar.accept_text(rest) if rest else True
+
+    @property
+    def terminated(self) -> bool:
+        return self.started and self._grammar.terminated
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.started:
+            self._grammar.fill(bitmask, row)
+        else:
+            bitmask[row].fill_(-1)  # every bit: any token
+
+
+# A request's grammar state: from its first token, or after a marker.
+Grammar = GrammarState | GrammarAfter
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from bulletserve.engine.request import RequestOutput, TokenLogprob
-from bulletserve.server.fields import structure_of, tools_for_template
+from bulletserve.server.fields import tools_for_template
 from bulletserve.server.http_errors import APIError
 from bulletserve.server.protocol import (
     AssistantMessage,
@@ -37,6 +37,7 @@ from bulletserve.server.protocol import (
     Usage,
 )
 from bulletserve.server.reasoning import (
+    END,
     ReasoningParser,
     ReasoningSplit,
     ReasoningStream,
@@ -194,18 +195,6 @@ class ChatServing:
             raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
         mode = self.tool_mode(body)
         reasoning = self.reasoning_parser(body)
-        _, structured = structure_of(body)
-        if reasoning is not None and reasoning.thinks and structured is not None:
-            # The grammar would hold the reasoning to the answer's structure from its first
-            # token (and the answer would land in reasoning_content): refused until a grammar
-            # can start where the reasoning ends.
-            raise APIError(
-                400,
-                f"{structured} with --reasoning-parser {reasoning.name}: structured outputs "
-                "after the reasoning are not served yet (with qwen3, chat_template_kwargs "
-                '{"enable_thinking": false} turns the reasoning off)',
-                structured,
-            )
         admission = serving.admit(body, width)
         try:
             service = serving.service(body)
@@ -217,6 +206,9 @@ class ChatServing:
             else:
                 num_logprobs = 0 if width > body.n else None  # best_of ranks by logprobs
             params = serving.sampling_params(body, prompt_ids, max_tokens, num_logprobs, structure)
+            if reasoning is not None and reasoning.thinks:
+                # The reasoning is free text; the structure holds the answer after it.
+                params.structured_outputs_after = END
         except BaseException:
             admission.release()
             raise
