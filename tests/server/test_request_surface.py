@@ -242,6 +242,36 @@ def test_required_tool_choice_gives_calls_of_the_given_tools(client):
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
+def test_a_forced_call_streams_its_arguments_as_they_are_generated(client):
+    """A forced tool choice streams the call's id and name once and its arguments in the steps
+    that write them (it once sent empty deltas, then every call whole at the end); no chunk
+    says nothing. Joined, they are the whole response's call. (`required`'s array streams by
+    the same code: its random calls outrun any max_tokens here, so tests/server/
+    test_tool_parsers.py streams it from text.)"""
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(tools=[WEATHER], tool_choice=tool_choice, max_tokens=300, temperature=0)
+    whole = chat(client, **kwargs).choices[0]
+    if whole.finish_reason == "length":
+        pytest.skip("the random model's calls outran max_tokens")
+    calls: dict[int, dict[str, str]] = {}
+    argument_chunks = 0
+    for chunk in chat(client, stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason
+        assert delta.role or delta.content or delta.tool_calls or finish, chunk
+        for call in delta.tool_calls or ():
+            entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+            argument_chunks += bool(call.function.arguments)
+    assert argument_chunks > len(calls)  # the arguments came over several chunks
+    expected = [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls
+    ]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == expected
+
+
 def test_tool_choice_auto_parses_a_call_and_streams_it_as_deltas(client):
     """The random model is made to write a hermes call (a regex beside tool_choice "auto"); the
     auto parser must find it, whole and streamed, and leave no call markup in the content."""

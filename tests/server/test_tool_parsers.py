@@ -7,12 +7,14 @@ import json
 import pytest
 
 from bulletserve.server.tools import (
+    CallStream,
     ParsedCall,
     calls_as_text,
     detect_parser,
     forced_calls,
     may_start_call,
     parse_calls,
+    partial_calls,
 )
 
 
@@ -159,3 +161,52 @@ def test_qwen3_coders_template_is_read_as_its_format():
         "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>{% endif %}"
     )
     assert detect_parser(template) == "qwen3_coder"
+
+
+# ---- streamed as generated ----------------------------------------------------------------
+
+STREAMED = {
+    # (parser, kind): output text whose calls stream
+    ("hermes", "auto"): 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": '
+    '"Paris, \\"FR\\"", "days": [1, 2]}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+    '"arguments": {}}\n</tool_call>',
+    ("llama3_json", "auto"): '<|python_tag|>{"name": "get_weather", "parameters": {"city": '
+    '"Oslo"}}; {"name": "get_time", "parameters": {"zone": "CET"}}',
+    ("hermes", "required"): '[{"name": "get_weather", "parameters": {"city": "Rome", "n": 3}}, '
+    '{"name": "get_time", "parameters": {}}]',
+    ("hermes", "named"): '{"city": "Lima", "units": {"t": "C"}}',
+    ("qwen3_coder", "auto"): QWEN3_CODER,
+}
+
+
+@pytest.mark.parametrize(("parser", "kind"), list(STREAMED))
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_streamed_calls_send_each_name_once_and_arguments_as_they_grow(parser, kind, step):
+    """Every prefix of the output, `step` characters at a time: the deltas joined give every
+    call's name and arguments, equal as JSON to the whole output's parse."""
+    text = STREAMED[(parser, kind)]
+    named = "get_weather" if kind == "named" else None
+    stream, names, arguments = CallStream.start(), {}, {}
+    for end in [*range(step, len(text), step), len(text)]:
+        calls = partial_calls(text[:end], parser, kind, named, SCHEMAS)
+        for index, call_id, name, new in stream.advance(calls, None):
+            if call_id is not None:
+                assert index not in names and name
+                names[index] = name
+            arguments[index] = arguments.get(index, "") + new
+    if kind == "named":
+        expected = [ParsedCall(named, json.dumps(json.loads(text)))]
+    elif kind == "required":
+        expected = forced_calls(text, None)
+    else:
+        expected = parse_calls(text, parser, SCHEMAS)[1]
+    assert [names[i] for i in sorted(names)] == [c.name for c in expected]
+    assert [json.loads(arguments[i]) for i in sorted(arguments)] == [
+        json.loads(c.arguments) for c in expected
+    ]
+
+
+def test_a_call_of_a_tool_not_offered_is_never_streamed():
+    text = '<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>'
+    calls = partial_calls(text, "hermes", "auto")
+    assert CallStream.start().advance(calls, frozenset({"get_weather"})) == []

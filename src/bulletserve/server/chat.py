@@ -51,6 +51,7 @@ from bulletserve.server.serving import (
     usage,
 )
 from bulletserve.server.tools import (
+    CallStream,
     ParsedCall,
     ToolParserName,
     ToolSchemas,
@@ -58,8 +59,8 @@ from bulletserve.server.tools import (
     detect_parser,
     forced_calls,
     may_start_call,
-    new_call_id,
     parse_calls,
+    partial_calls,
     template_takes_tools,
     tools_system_message,
 )
@@ -335,6 +336,7 @@ class _ChoiceStream:
     num_logprobs: int = 0
     reasoning: ReasoningStream | None = None
     content: str = ""  # the answer so far (the whole text without a reasoning parser)
+    calls: CallStream = field(default_factory=CallStream.start)  # the tool calls sent so far
 
 
 class _ChatEvents:
@@ -408,11 +410,15 @@ class _ChatEvents:
         if mode is not None:
             cut = 0 if mode.kind != "auto" else may_start_call(text, mode.parser)
             visible = len(text) if cut is None else max(cut, state.sent_chars)
+        moved: list[tuple[int, str | None, str | None, str]] = []
+        if mode is not None:
+            partial = partial_calls(text, mode.parser, mode.kind, mode.name, mode.schemas)
+            moved = state.calls.advance(partial, mode.offered if mode.kind == "auto" else None)
         calls: list[ParsedCall] = []
         if output.finished and mode is not None:
             _, calls = mode.calls(text)
-            if not calls:
-                visible = len(text)
+            if not calls and not state.calls.ids:
+                visible = len(text)  # no call after all: the held text is content
         delta = DeltaMessage(content=text[state.sent_chars : visible])
         if new_reasoning:
             delta.reasoning_content = delta.reasoning = new_reasoning
@@ -420,18 +426,22 @@ class _ChatEvents:
                 delta.content = None  # a reasoning delta alone
         state.sent_chars = visible
         finish = output.finish_reason if output.finished else None
-        if calls:
+        if moved:
             delta.tool_calls = [
                 ToolCallDelta(
                     index=i,
-                    id=new_call_id(),
-                    type="function",
-                    function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+                    id=call_id,
+                    type="function" if call_id is not None else None,
+                    function=FunctionCallDelta(name=name, arguments=arguments),
                 )
-                for i, call in enumerate(calls)
+                for i, call_id, name, arguments in moved
             ]
-            if mode is not None and mode.kind != "named":
-                finish = "tool_calls"
+            if not delta.content:
+                delta.content = None
+        if (calls or state.calls.ids) and mode is not None and mode.kind != "named" and finish:
+            finish = "tool_calls"
+        if not (delta.content or delta.reasoning or delta.tool_calls or finish or logprobs):
+            return events  # nothing new to say: no empty chunk
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
         events.append(self._chunk([choice], so_far))
         return events

@@ -248,3 +248,142 @@ def _split_top_level(text: str, separator: str) -> list[str]:
             start = i + 1
     pieces.append(text[start:])
     return [p.strip() for p in pieces if p.strip()]
+
+
+# ---- calls streamed as they are generated ------------------------------------------------
+
+
+@dataclass
+class PartialCall:
+    """A call in text still being generated: its name once whole, its arguments' JSON text so
+    far (the raw text, or for qwen3_coder the whole object once the call has ended)."""
+
+    name: str | None
+    arguments: str
+
+
+def partial_calls(
+    text: str, parser: ToolParserName, kind: str, named: str | None = None,
+    schemas: ToolSchemas | None = None,
+) -> list[PartialCall]:  # fmt: skip
+    """The calls `text` (an output so far) holds or is writing, in order: for `kind` "named"
+    the output is the arguments object; "required" a JSON array of {name, parameters}; "auto"
+    the parser's format after any content."""
+    if kind == "named":
+        return [PartialCall(named, text.lstrip())]
+    if kind == "required":
+        return [_partial_object(piece, ("parameters",)) for piece in _array_items(text)]
+    if parser == "qwen3_coder":
+        _, calls = parse_calls(text, parser, schemas) if "</function>" in text else (None, [])
+        ended = text.count("</function>")
+        return [PartialCall(c.name, c.arguments) for c in calls[:ended]]
+    if parser == "hermes":
+        at = text.find(_HERMES_START)
+        if at < 0:
+            return []
+        blocks = text[at:].split(_HERMES_START)[1:]
+        return [
+            _partial_object(block.split("</tool_call>")[0].strip(), ("arguments", "parameters"))
+            for block in blocks
+        ]
+    body = text.lstrip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG) :].lstrip()
+    if not body.startswith("{"):
+        return []
+    return [_partial_object(piece, ("parameters", "arguments")) for piece in _objects(body)]
+
+
+def _partial_object(text: str, argument_keys: tuple[str, ...]) -> PartialCall:
+    """A call object's name (once its string is whole) and its arguments value's text so far,
+    read off the top level of possibly unfinished JSON."""
+    name, arguments = None, ""
+    depth, in_string, escaped, key, reading_key, start = 0, False, False, None, False, None
+    value_key, value_start = None, None
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 1 and reading_key:
+                    key, reading_key = _json(text[start : i + 1]), False
+                elif depth == 1 and value_key == "name" and value_start is not None:
+                    parsed = _json(text[value_start : i + 1])
+                    name = parsed if isinstance(parsed, str) else None
+            continue
+        if ch == '"':
+            in_string = True
+            if depth == 1 and value_key is None and key is None:
+                reading_key, start = True, i
+            elif depth == 1 and value_key is not None and value_start is None:
+                value_start = i
+        elif ch == ":" and depth == 1:
+            value_key, value_start = key, None
+        elif ch in "{[":
+            depth += 1
+            if depth == 2 and value_key in argument_keys and value_start is None:
+                value_start = i
+        elif ch in "}]":
+            depth -= 1
+            if depth == 1 and value_key in argument_keys and value_start is not None:
+                arguments = text[value_start : i + 1]
+                value_key = key = None
+                continue
+        elif ch == "," and depth == 1:
+            value_key = key = None
+            value_start = None
+        elif not ch.isspace() and depth == 1 and value_key is not None and value_start is None:
+            value_start = i
+        if depth >= 2 and value_key in argument_keys and value_start is not None:
+            arguments = text[value_start : i + 1]
+    return PartialCall(name, arguments)
+
+
+def _array_items(text: str) -> list[str]:
+    """The items of a JSON array so far (the last possibly unfinished)."""
+    body = text.strip()
+    if not body.startswith("["):
+        return []
+    return [item for item in _split_top_level(body[1:].removesuffix("]"), ",") if item]
+
+
+def _objects(text: str) -> list[str]:
+    """llama3_json's calls so far: objects separated by `;`."""
+    return _split_top_level(text, ";")
+
+
+@dataclass
+class CallStream:
+    """What a streamed choice has sent of its calls: each call's id and name once, then its
+    arguments as they grow (only text past what was sent; never a call the request did not
+    offer)."""
+
+    ids: list[str]
+    sent_arguments: list[int]
+
+    @classmethod
+    def start(cls) -> CallStream:
+        return cls([], [])
+
+    def advance(
+        self, calls: list[PartialCall], offered: frozenset[str] | None
+    ) -> list[tuple[int, str | None, str | None, str]]:
+        """(index, id where new, name where new, new arguments text) per call that moved."""
+        moved = []
+        for index, call in enumerate(calls):
+            if call.name is None or (offered is not None and call.name not in offered):
+                break  # a later call waits for this one's name
+            new = index >= len(self.ids)
+            if new:
+                self.ids.append(new_call_id())
+                self.sent_arguments.append(0)
+            text = call.arguments[self.sent_arguments[index] :]
+            if new or text:
+                self.sent_arguments[index] = len(call.arguments)
+                moved.append(
+                    (index, self.ids[index] if new else None, call.name if new else None, text)
+                )
+        return moved
