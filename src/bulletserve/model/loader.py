@@ -31,6 +31,7 @@ from bulletserve.model.shard import weight_split
 from bulletserve.model.source import (
     ModelNotFoundError,
     ModelSource,
+    building_cache,
     cache_dir_for,
     check_quantization,
     default_model_file,
@@ -300,12 +301,13 @@ def _gguf_config(gguf_file: Path) -> Path:
     """A GGUF file's Hugging Face config.json, cached: the gguf package's reader takes seconds
     to parse a file's metadata (its vocabulary's arrays)."""
     folder = cache_dir_for(gguf_file, "config") / "config"
-    if not (folder / "config.json").exists():
-        config, _ = checked_config(gguf_file)  # its values and shapes, before anything is written
-        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        publish_cache_folder(tmp, folder)
+    with building_cache(folder, "config.json") as to_build:
+        if to_build:
+            config, _ = checked_config(gguf_file)  # its values and shapes, before any write
+            tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            publish_cache_folder(tmp, folder)
     return folder / "config.json"
 
 
@@ -317,18 +319,20 @@ def _packed_gguf(gguf_file: Path) -> tuple[dict[str, PackedPart], dict[str, torc
     into a cached safetensors file (the packed ones as their bytes) and memory-mapped from it
     after: reading the GGUF file takes seconds."""
     folder = cache_dir_for(gguf_file, "packed") / "packed"
-    if not (folder / "model.safetensors").exists():
-        _, tensors = read_gguf(gguf_file, packed=True)
-        formats = {
-            name: [int(t.format), t.in_features]
-            for name, t in tensors.items()
-            if isinstance(t, PackedPart)
-        }
-        plain = {n: t.data if isinstance(t, PackedPart) else t for n, t in tensors.items()}
-        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file(plain, str(tmp / "model.safetensors"), {_PACKED_FORMATS: json.dumps(formats)})
-        publish_cache_folder(tmp, folder)
+    with building_cache(folder, "model.safetensors") as to_build:
+        if to_build:
+            _, tensors = read_gguf(gguf_file, packed=True)
+            formats = {
+                name: [int(t.format), t.in_features]
+                for name, t in tensors.items()
+                if isinstance(t, PackedPart)
+            }
+            plain = {n: t.data if isinstance(t, PackedPart) else t for n, t in tensors.items()}
+            tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+            tmp.mkdir(parents=True, exist_ok=True)
+            metadata = {_PACKED_FORMATS: json.dumps(formats)}
+            save_file(plain, str(tmp / "model.safetensors"), metadata)
+            publish_cache_folder(tmp, folder)
     packed: dict[str, PackedPart] = {}
     floats: dict[str, torch.Tensor] = {}
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
@@ -345,12 +349,12 @@ def _packed_gguf(gguf_file: Path) -> tuple[dict[str, PackedPart], dict[str, torc
 def _converted_gguf(gguf_file: Path) -> Path:
     """Dequantize a GGUF file once into a cached HF folder (config.json + fp32 weights)."""
     folder = cache_dir_for(gguf_file, "weights") / "weights"
-    if (folder / "model.safetensors").exists():
-        return folder
-    hf_config, tensors = read_gguf(gguf_file)  # checked as it is read
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    save_file(tensors, str(tmp / "model.safetensors"))
-    publish_cache_folder(tmp, folder)
+    with building_cache(folder, "model.safetensors") as to_build:
+        if to_build:
+            hf_config, tensors = read_gguf(gguf_file)  # checked as it is read
+            tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+            save_file(tensors, str(tmp / "model.safetensors"))
+            publish_cache_folder(tmp, folder)
     return folder

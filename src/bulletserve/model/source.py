@@ -3,11 +3,14 @@ the local Hugging Face cache), a GGUF file or a preset."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +169,24 @@ def cache_dir_for(file: Path, kind: str) -> Path:
     key = hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{kind}".encode())
     root = Path(os.environ.get("BULLET_CACHE_DIR") or platformdirs.user_cache_dir("bulletserve"))
     return root / f"{file.stem}-{key.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def building_cache(folder: Path, done: str) -> Iterator[bool]:
+    """Held while this process builds the cache entry `folder` (whole once it holds `done`):
+    another process (a test worker, a rank, a replica) that asks for the same entry meanwhile
+    waits and then finds it built, rather than converting the same file again beside it.
+    Yields whether the entry is still to be built."""
+    if (folder / done).exists():
+        yield False
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield not (folder / done).exists()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def publish_cache_folder(tmp: Path, folder: Path) -> None:

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from bulletserve.model.gguf_reader import check_tokenizer_fields
 from bulletserve.model.source import (
     ModelSource,
+    building_cache,
     cache_dir_for,
     default_model_file,
     publish_cache_folder,
@@ -46,12 +47,11 @@ def load_tokenizer(model: str | ModelSource | None = None) -> PreTrainedTokenize
 
 def _gguf_tokenizer(gguf_file: Path) -> PreTrainedTokenizerBase:
     cache = cache_dir_for(gguf_file, "tokenizer") / "tokenizer"
-    with _lock:
-        if (cache / "tokenizer_config.json").exists():
+    with _lock, building_cache(cache, "tokenizer_config.json") as to_build:
+        if not to_build:
             return AutoTokenizer.from_pretrained(str(cache))
         check_tokenizer_fields(gguf_file)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-        cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
         tokenizer.save_pretrained(str(tmp))
         publish_cache_folder(tmp, cache)
