@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -226,9 +227,10 @@ def _call(item: Any, argument_keys: tuple[str, ...]) -> ParsedCall | None:
     return ParsedCall(item["name"], text)
 
 
-def _split_top_level(text: str, separator: str) -> list[str]:
-    """`text` split at `separator` outside JSON strings, braces and brackets."""
-    pieces, depth, start, in_string, escaped = [], 0, 0, False, False
+def _outside_strings(text: str) -> Iterator[tuple[int, str]]:
+    """Each character of (possibly unfinished) JSON text that is not inside a string literal,
+    a string's two quotes included, so that a reader sees where each string opens and closes."""
+    in_string = escaped = False
     for i, ch in enumerate(text):
         if in_string:
             if escaped:
@@ -237,9 +239,17 @@ def _split_top_level(text: str, separator: str) -> list[str]:
                 escaped = True
             elif ch == '"':
                 in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+                yield i, ch
+            continue
+        in_string = ch == '"'
+        yield i, ch
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """`text` split at `separator` outside JSON strings, braces and brackets."""
+    pieces, depth, start = [], 0, 0
+    for i, ch in _outside_strings(text):
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
@@ -295,31 +305,23 @@ def partial_calls(
 
 
 def _partial_object(text: str, argument_keys: tuple[str, ...]) -> PartialCall:
-    """A call object's name (once its string is whole) and its arguments value's text so far,
-    read off the top level of possibly unfinished JSON."""
-    name, arguments = None, ""
-    depth, in_string, escaped, key, reading_key, start = 0, False, False, None, False, None
-    value_key, value_start = None, None
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 1 and reading_key:
-                    key, reading_key = _json(text[start : i + 1]), False
-                elif depth == 1 and value_key == "name" and value_start is not None:
-                    parsed = _json(text[value_start : i + 1])
-                    name = parsed if isinstance(parsed, str) else None
-            continue
+    """A call object's name (once its string is whole) and its arguments value's text so far
+    (to the end of the text while it is being written), read off the top level of possibly
+    unfinished JSON."""
+    name, closed_arguments = None, None
+    depth, quote_open, key, key_start, value_key, value_start = 0, False, None, None, None, None
+    for i, ch in _outside_strings(text):
         if ch == '"':
-            in_string = True
-            if depth == 1 and value_key is None and key is None:
-                reading_key, start = True, i
-            elif depth == 1 and value_key is not None and value_start is None:
+            quote_open = not quote_open
+            if quote_open and depth == 1 and value_key is None and key is None:
+                key_start = i
+            elif quote_open and depth == 1 and value_key is not None and value_start is None:
                 value_start = i
+            elif not quote_open and depth == 1 and key_start is not None:
+                key, key_start = _json(text[key_start : i + 1]), None
+            elif not quote_open and depth == 1 and value_key == "name" and value_start is not None:
+                parsed = _json(text[value_start : i + 1])
+                name = parsed if isinstance(parsed, str) else None
         elif ch == ":" and depth == 1:
             value_key, value_start = key, None
         elif ch in "{[":
@@ -329,17 +331,16 @@ def _partial_object(text: str, argument_keys: tuple[str, ...]) -> PartialCall:
         elif ch in "}]":
             depth -= 1
             if depth == 1 and value_key in argument_keys and value_start is not None:
-                arguments = text[value_start : i + 1]
-                value_key = key = None
-                continue
+                closed_arguments = text[value_start : i + 1]
+                value_key = key = value_start = None
         elif ch == "," and depth == 1:
-            value_key = key = None
-            value_start = None
+            value_key = key = value_start = None
         elif not ch.isspace() and depth == 1 and value_key is not None and value_start is None:
             value_start = i
-        if depth >= 2 and value_key in argument_keys and value_start is not None:
-            arguments = text[value_start : i + 1]
-    return PartialCall(name, arguments)
+    if closed_arguments is not None:
+        return PartialCall(name, closed_arguments)
+    writing = value_key in argument_keys and value_start is not None and depth >= 2
+    return PartialCall(name, text[value_start:] if writing else "")
 
 
 def _array_items(text: str) -> list[str]:
