@@ -184,7 +184,7 @@ def test_json_object_means_an_object(compiler, tokenizer):
 
 
 def test_a_grammar_after_a_marker_frees_the_reasoning_and_holds_the_answer(compiler, tokenizer):
-    """A reasoning model's structured answer (`structured_outputs_after`): every token is
+    """A reasoning model's structured answer (`reasoning_end`): every token is
     allowed until the output's text holds `</think>`, then only the structure's; the text the
     marker's last token carries past it counts as the answer's start (whitespace left out), and
     the answer begins right after it."""

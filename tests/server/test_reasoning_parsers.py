@@ -189,12 +189,35 @@ def test_the_servers_default_template_kwargs_reach_the_template_under_the_reques
         assert not rendered(chat_template_kwargs={"enable_thinking": True}).endswith("no-think")
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("thinking_token_budget", 64), ("include_reasoning", False)]
-)
-def test_reasoning_fields_not_served_yet_are_refused_naming_them(engine, field, value):
-    with running_app(engine, reasoning_parser="qwen3") as url:
-        body = {"messages": MESSAGES, field: value}
+def test_a_thinking_budget_forces_the_reasonings_end_then_the_answer_follows(engine):
+    """thinking_token_budget 5: five tokens of reasoning, then `</think>` forced token by
+    token, then the answer, held to its grammar (the random model never closes it itself)."""
+    end_ids = engine.front.tokenizer.encode("</think>", add_special_tokens=False)
+    with running_app(engine, reasoning_parser="deepseek_r1") as url:
+        for body in ({}, {"response_format": {"type": "json_object"}}):
+            reply = _chat(url, thinking_token_budget=5, max_tokens=24, **body)
+            message = reply["choices"][0]["message"]
+            assert message["reasoning_content"] and message["content"] is not None
+            reasoning = reply["usage"]["completion_tokens_details"]["reasoning_tokens"]
+            assert reasoning == 5 + len(end_ids)
+            assert reply["usage"]["completion_tokens"] == 24  # max_tokens counts every token
+            if body:
+                assert message["content"].startswith("{")
+            reasoning, content, _ = _streamed(url, thinking_token_budget=5, max_tokens=24, **body)
+            assert (reasoning, content) == (message["reasoning_content"], message["content"])
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_refused(engine):
+    with running_app(engine) as url:
+        body = {"messages": MESSAGES, "thinking_token_budget": 8}
         response = httpx.post(url + "/v1/chat/completions", json=body, trust_env=False)
         assert response.status_code == 400
-        assert response.json()["error"]["param"] == field
+        assert response.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_include_reasoning_false_not_served_yet_is_refused_naming_it(engine):
+    with running_app(engine, reasoning_parser="qwen3") as url:
+        body = {"messages": MESSAGES, "include_reasoning": False}
+        response = httpx.post(url + "/v1/chat/completions", json=body, trust_env=False)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "include_reasoning"

@@ -113,10 +113,10 @@ class ModelFront:
         grammar: Grammar | None = None
         if params.structured_outputs is not None:
             grammar = self.grammars.state(params.structured_outputs)
-            if params.structured_outputs_after is not None:
+            if params.reasoning_end is not None:
                 # A marker may be a special token: found in the text with them kept.
                 decode = partial(self.tokenizer.decode, skip_special_tokens=False)
-                grammar = GrammarAfter(grammar, params.structured_outputs_after, decode)
+                grammar = GrammarAfter(grammar, params.reasoning_end, decode)
         spellings = [s for w in params.bad_words for s in (w, " " + w.lstrip(" "))]
         bad_words: dict[tuple[int, ...], None] = {}  # in order, each once
         if spellings:

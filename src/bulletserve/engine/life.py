@@ -46,6 +46,7 @@ class RequestLife:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, tuple[int, int]] = {}  # request id -> (chars, tokens) reported
+        self._end_tokens: dict[str, list[int]] = {}  # a reasoning's end -> its tokens
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
@@ -140,6 +141,8 @@ class RequestLife:
             return
         delta = detok.add(token)
         request.text = detok.text
+        if params.thinking_token_budget is not None and not request.reasoning_ended:
+            self._spend_thinking(request, token)
         if delta and params.stop:
             cut = _find_stop(request.text, params.stop, len(delta))
             if cut is not None:
@@ -153,6 +156,30 @@ class RequestLife:
             detok.flush()
             request.text = detok.text
             self._finish(request, "length")
+
+    def _spend_thinking(self, request: Request, token: int) -> None:
+        """Count a reasoning token against the request's thinking_token_budget: once spent
+        before the reasoning ended, the next draws are forced to its end's tokens; the
+        reasoning has ended once the output ends with them."""
+        params = request.params
+        assert params.reasoning_end is not None and params.thinking_token_budget is not None
+        end = self._end_ids(params.reasoning_end)
+        if request.forced_tokens and request.forced_tokens[0] == token:
+            request.forced_tokens.pop(0)
+        if request.output_token_ids[-len(end) :] == end or params.reasoning_end in request.text:
+            request.reasoning_ended = True
+            request.forced_tokens.clear()
+        elif (
+            not request.forced_tokens and request.num_output_tokens >= params.thinking_token_budget
+        ):
+            request.forced_tokens = list(end)
+
+    def _end_ids(self, text: str) -> list[int]:
+        """The tokens of a reasoning's end, as it is forced."""
+        ids = self._end_tokens.get(text)
+        if ids is None:
+            ids = self._end_tokens[text] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     def _advance_grammar(self, request: Request, token: int) -> bool:
         """Move the request's grammar past `token`; False where the output must end here: the

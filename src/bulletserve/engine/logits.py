@@ -1,6 +1,6 @@
 """What a request asks of its logits before the draw: the grammar's allowed tokens, an allowed
-list, banned words, `logit_bias`, and the presence, frequency and repetition penalties (vLLM's
-semantics).
+list, banned words, `logit_bias`, the presence, frequency and repetition penalties (vLLM's
+semantics), and last a forced token (a spent reasoning budget's end).
 
 Each is applied in place, batched over the rows that ask for it and only those: a step where no
 row asks costs one check per row.
@@ -24,6 +24,7 @@ def wants_processing(request: Request) -> bool:
         or bool(request.bad_words_ids)
         or bool(params.logit_bias)
         or params.has_penalties
+        or bool(request.forced_tokens)
     )
 
 
@@ -42,6 +43,15 @@ def process_logits(
     _ban_words(logits, requests, [i for i in rows if requests[i].bad_words_ids])
     _add_bias(logits, requests, [i for i in rows if requests[i].params.logit_bias])
     _penalize(logits, requests, [i for i in rows if requests[i].params.has_penalties])
+    _force(logits, requests, [i for i in rows if requests[i].forced_tokens])
+
+
+def _force(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    """A row whose next token is forced (the end of a spent reasoning budget) may draw it alone,
+    whatever else its logits were given."""
+    for row in rows:
+        logits[row] = float("-inf")
+        logits[row, requests[row].forced_tokens[0]] = 0.0
 
 
 def _mask_grammar(

@@ -75,6 +75,10 @@ class Request:
     # Decoding state of its own: its place in the grammar its output must match, and the token
     # sequences of its bad words.
     grammar: Grammar | None = None
+    # Tokens the next draws must give, in order (the end of a reasoning whose budget is spent),
+    # and whether the output's reasoning has ended (thinking_token_budget counts until then).
+    forced_tokens: list[int] = field(default_factory=list)
+    reasoning_ended: bool = False
     bad_words_ids: list[list[int]] = field(default_factory=list)
     # With `params.prompt_logprobs`: per prompt position from 1, its logprob once computed.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)

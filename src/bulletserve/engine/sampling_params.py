@@ -42,9 +42,12 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's bad_words)
     allowed_token_ids: list[int] | None = None  # None: any token; else only these
     structured_outputs: StructuredOutputs | None = None  # what the output must match
-    # Where set, structured_outputs holds only the output after this text (a reasoning model's
-    # `</think>`: the reasoning is free, the answer structured).
-    structured_outputs_after: str | None = None
+    # The text that ends a reasoning model's reasoning (`</think>`, set by a reasoning parser):
+    # structured_outputs holds only the output after it, and thinking_token_budget counts the
+    # tokens before it.
+    reasoning_end: str | None = None
+    # At most this many tokens of reasoning (vLLM's field): spent, the reasoning's end is forced.
+    thinking_token_budget: int | None = None
     # Not a sampling setting but the request's too: only requests with the same salt share
     # cached prompt blocks (vLLM's cache_salt), so a client cannot learn from the cache's
     # speed or `cached_tokens` what another sent.

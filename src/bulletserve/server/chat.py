@@ -196,6 +196,12 @@ class ChatServing:
             raise APIError(400, "best_of greater than n cannot be streamed", "best_of")
         mode = self.tool_mode(body)
         reasoning = self.reasoning_parser(body)
+        if body.thinking_token_budget is not None and reasoning is None:
+            raise APIError(
+                400,
+                "thinking_token_budget needs a server started with --reasoning-parser",
+                "thinking_token_budget",
+            )
         admission = serving.admit(body, width)
         try:
             service = serving.service(body)
@@ -209,7 +215,8 @@ class ChatServing:
             params = serving.sampling_params(body, prompt_ids, max_tokens, num_logprobs, structure)
             if reasoning is not None and reasoning.thinks:
                 # The reasoning is free text; the structure holds the answer after it.
-                params.structured_outputs_after = END
+                params.reasoning_end = END
+                params.thinking_token_budget = body.thinking_token_budget
         except BaseException:
             admission.release()
             raise

@@ -43,7 +43,6 @@ REFUSED: dict[str, Any] = {
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "reasoning_effort": None,
-    "thinking_token_budget": None,
     "include_reasoning": True,
 }
 
@@ -454,6 +453,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     echo: bool = False
+    # At most this many tokens of reasoning, then its end is forced (--reasoning-parser).
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
