@@ -59,3 +59,19 @@ def test_the_detokenizer_decodes_as_the_tokenizer_does(ids):
     from bulletserve.model.tokenizer import _decoder
 
     assert _decoder(TOKENIZER)(ids) == TOKENIZER.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_stay_in_the_text_where_a_request_keeps_them():
+    """`skip_special_tokens: false` (the mistral tool parser's markers are special tokens)."""
+    ids = TOKENIZER.encode("<|im_start|>assistant hi<|im_end|>", add_special_tokens=False)
+    kept, skipped = (
+        IncrementalDetokenizer(TOKENIZER, [], False),
+        IncrementalDetokenizer(TOKENIZER, []),
+    )
+    for token in ids:
+        kept.add(token)
+        skipped.add(token)
+    kept.flush()
+    skipped.flush()
+    assert kept.text == "<|im_start|>assistant hi<|im_end|>"
+    assert skipped.text == "assistant hi"

@@ -176,7 +176,13 @@ STREAMED = {
     '{"name": "get_time", "parameters": {}}]',
     ("hermes", "named"): '{"city": "Lima", "units": {"t": "C"}}',
     ("qwen3_coder", "auto"): QWEN3_CODER,
+    ("mistral", "auto"): 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
+    '"Bern"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]',
 }
+MISTRAL_V11 = (
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Bern", "days": [1, 2]}'
+    '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+)
 
 
 @pytest.mark.parametrize(("parser", "kind"), list(STREAMED))
@@ -210,3 +216,38 @@ def test_a_call_of_a_tool_not_offered_is_never_streamed():
     text = '<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>'
     calls = partial_calls(text, "hermes", "auto")
     assert CallStream.start().advance(calls, frozenset({"get_weather"})) == []
+
+
+def test_mistral_calls_in_both_of_its_tokenizers_forms():
+    content, calls = parse_calls(STREAMED[("mistral", "auto")], "mistral")
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Bern"}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    content, calls = parse_calls(MISTRAL_V11, "mistral")
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Bern", "days": [1, 2]}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    assert parse_calls("[TOOL_CALLS]get_time[ARGS]not json", "mistral")[1] == []
+    assert may_start_call("Checking.[TOOL_", "mistral") == 9
+    assert detect_parser("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]") == "mistral"
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_mistral_v11_calls_stream_as_they_are_written(step):
+    stream, names, arguments = CallStream.start(), {}, {}
+    for end in [*range(step, len(MISTRAL_V11), step), len(MISTRAL_V11)]:
+        for index, call_id, name, new in stream.advance(
+            partial_calls(MISTRAL_V11[:end], "mistral", "auto"), None
+        ):
+            if call_id is not None:
+                names[index] = name
+            arguments[index] = arguments.get(index, "") + new
+    assert names == {0: "get_weather", 1: "get_time"}
+    assert [json.loads(arguments[i]) for i in (0, 1)] == [
+        {"city": "Bern", "days": [1, 2]},
+        {"zone": "CET"},
+    ]

@@ -119,8 +119,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         choices=TOOL_PARSERS,
         default=None,
         help="the format tool calls are parsed from: hermes (Qwen2.5/3, Hermes, SmolLM2), "
-        "llama3_json (Llama 3.x) or qwen3_coder (Qwen3-Coder's XML) (default: read off the "
-        "chat template)",
+        "llama3_json (Llama 3.x), qwen3_coder (Qwen3-Coder's XML) or mistral ([TOOL_CALLS]) "
+        "(default: read off the chat template)",
     )
     parser.add_argument(
         "--reasoning-parser",

@@ -127,7 +127,9 @@ class RequestLife:
             self.prompt_tokens += len(request.prompt_token_ids) - request.num_cached_tokens
         detok = self._detokenizers.get(request.request_id)
         if detok is None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            )
             self._detokenizers[request.request_id] = detok
         if request.grammar is not None and not self._advance_grammar(request, token):
             detok.flush()

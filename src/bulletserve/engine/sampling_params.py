@@ -48,6 +48,9 @@ class SamplingParams:
     reasoning_end: str | None = None
     # At most this many tokens of reasoning (vLLM's field): spent, the reasoning's end is forced.
     thinking_token_budget: int | None = None
+    # Whether the output's text leaves special tokens out (vLLM's; False keeps a tool-call
+    # marker that is one, Mistral's `[TOOL_CALLS]`).
+    skip_special_tokens: bool = True
     # Not a sampling setting but the request's too: only requests with the same salt share
     # cached prompt blocks (vLLM's cache_salt), so a client cannot learn from the cache's
     # speed or `cached_tokens` what another sent.

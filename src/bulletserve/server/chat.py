@@ -213,6 +213,8 @@ class ChatServing:
             else:
                 num_logprobs = 0 if width > body.n else None  # best_of ranks by logprobs
             params = serving.sampling_params(body, prompt_ids, max_tokens, num_logprobs, structure)
+            if mode is not None and mode.kind == "auto" and mode.parser == "mistral":
+                params.skip_special_tokens = False  # its [TOOL_CALLS] marker is one
             if reasoning is not None and reasoning.thinks:
                 # The reasoning is free text; the structure holds the answer after it.
                 params.reasoning_end = END

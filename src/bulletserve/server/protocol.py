@@ -27,7 +27,6 @@ REFUSED: dict[str, Any] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "prompt_embeds": None,
     "suffix": None,
@@ -259,6 +258,7 @@ class SamplingFields(_Body):
 
     model: str | None = None  # None: the served model
     max_tokens: Annotated[int, Field(ge=1)] | None = None
+    skip_special_tokens: bool = True  # False: the output's text keeps special tokens
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1

@@ -244,6 +244,7 @@ class Serving:
                 allowed_token_ids=body.allowed_token_ids,
                 structured_outputs=structure,
                 cache_salt=body.cache_salt,
+                skip_special_tokens=body.skip_special_tokens,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None

@@ -1,6 +1,6 @@
 """Tool calling: the tools into the chat template, and the calls out of the model's text.
 
-Three output formats, as vLLM's parsers of the same names read them:
+Four output formats, as vLLM's parsers of the same names read them:
 
 - `hermes` (Qwen2.5, Qwen3, Hermes, and SmolLM2): `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` blocks (a block may hold a list of calls), after optional text;
@@ -8,7 +8,11 @@ Three output formats, as vLLM's parsers of the same names read them:
   {...}}` (or several separated by `;`), optionally after `<|python_tag|>`;
 - `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=P>VALUE</parameter>...
   </function></tool_call>` blocks, each value text made the type its tool's schema gives the
-  parameter (a string where the schema gives none).
+  parameter (a string where the schema gives none);
+- `mistral` (Mistral, Mixtral, Ministral): after optional text, `[TOOL_CALLS]` and a JSON array
+  of `{"name", "arguments"}` (tokenizers before v11), or `[TOOL_CALLS]NAME[ARGS]{...}` once per
+  call (v11 and later). `[TOOL_CALLS]` is a special token: a request parsed so keeps special
+  tokens in its text (`skip_special_tokens` false).
 
 Which one a model uses is read off its chat template (`--tool-call-parser` overrides). A template
 that takes no tools (SmolLM2's) gets them in a system message in the hermes format instead, so
@@ -24,12 +28,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-ToolParserName = Literal["hermes", "llama3_json", "qwen3_coder"]
-TOOL_PARSERS: tuple[ToolParserName, ...] = ("hermes", "llama3_json", "qwen3_coder")
+ToolParserName = Literal["hermes", "llama3_json", "qwen3_coder", "mistral"]
+TOOL_PARSERS: tuple[ToolParserName, ...] = ("hermes", "llama3_json", "qwen3_coder", "mistral")
 
 _HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
 _PARAMETER = re.compile(
     r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|(?=</function>)|$)",
@@ -64,6 +69,8 @@ def template_takes_tools(template: str | None) -> bool:
 def detect_parser(template: str | None) -> ToolParserName:
     """The output format a chat template asks for: llama3_json for Llama 3.x's templates,
     hermes otherwise (and for templates that take no tools, which get hermes' instructions)."""
+    if template and template_takes_tools(template) and _MISTRAL_CALLS in template:
+        return "mistral"
     if template and template_takes_tools(template) and "<function=" in template:
         if "<parameter=" in template:
             return "qwen3_coder"
@@ -108,14 +115,13 @@ def calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
 def may_start_call(text: str, parser: ToolParserName) -> int | None:
     """Where, in text generated so far, a tool call starts or may be starting (a prefix of its
     marker at the end): the streamed content stops there. None: all of it is plain content."""
-    if parser in ("hermes", "qwen3_coder"):
-        at = text.find(_HERMES_START)
+    if parser in ("hermes", "qwen3_coder", "mistral"):
+        marker = _MISTRAL_CALLS if parser == "mistral" else _HERMES_START
+        at = text.find(marker)
         if at >= 0:
             return at
-        for cut in range(1, len(_HERMES_START)):
-            if text.endswith(_HERMES_START[:cut]):
-                return len(text) - cut
-        return None
+        held = _marker_prefix_at_end(text, marker)
+        return len(text) - held if held else None
     stripped = text.lstrip()
     if not stripped:
         return 0 if text else None
@@ -135,6 +141,8 @@ def parse_calls(
     not parse as calls is all content. `schemas`: the offered tools' parameters (qwen3_coder)."""
     if parser == "qwen3_coder":
         return _parse_xml_calls(text, schemas or {})
+    if parser == "mistral":
+        return _parse_mistral_calls(text)
     if parser == "hermes":
         at = text.find(_HERMES_START)
         if at < 0:
@@ -162,6 +170,32 @@ def parse_calls(
             return text, []
         calls.append(call)
     return None, calls
+
+
+def _parse_mistral_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """Mistral's `[TOOL_CALLS]` followed by a JSON array of calls, or by `NAME[ARGS]{...}` once
+    per call."""
+    at = text.find(_MISTRAL_CALLS)
+    if at < 0:
+        return text, []
+    calls: list[ParsedCall] = []
+    for segment in text[at:].split(_MISTRAL_CALLS)[1:]:
+        segment = segment.strip()
+        if segment.startswith("["):
+            parsed = _json(segment)
+            for item in parsed if isinstance(parsed, list) else [parsed]:
+                call = _call(item, ("arguments", "parameters"))
+                if call is None:
+                    return text, []
+                calls.append(call)
+            continue
+        name, marked, arguments = segment.partition(_MISTRAL_ARGS)
+        parsed = _json(arguments.strip())
+        if not marked or not name.strip() or not isinstance(parsed, dict):
+            return text, []
+        calls.append(ParsedCall(name.strip(), json.dumps(parsed, ensure_ascii=False)))
+    content = text[:at].strip()
+    return (content or None), calls
 
 
 def _parse_xml_calls(text: str, schemas: ToolSchemas) -> tuple[str | None, list[ParsedCall]]:
@@ -283,6 +317,8 @@ def partial_calls(
         return [PartialCall(named, text.lstrip())]
     if kind == "required":
         return [_partial_object(piece, ("parameters",)) for piece in _array_items(text)]
+    if parser == "mistral":
+        return _partial_mistral_calls(text)
     if parser == "qwen3_coder":
         _, calls = parse_calls(text, parser, schemas) if "</function>" in text else (None, [])
         ended = text.count("</function>")
@@ -302,6 +338,34 @@ def partial_calls(
     if not body.startswith("{"):
         return []
     return [_partial_object(piece, ("parameters", "arguments")) for piece in _objects(body)]
+
+
+def _partial_mistral_calls(text: str) -> list[PartialCall]:
+    """Mistral's calls so far: an array's items, or each `NAME[ARGS]` (its name whole once the
+    `[ARGS]` marker is) and the arguments' text after it."""
+    at = text.find(_MISTRAL_CALLS)
+    if at < 0:
+        return []
+    calls: list[PartialCall] = []
+    for segment in text[at:].split(_MISTRAL_CALLS)[1:]:
+        body = segment.lstrip()
+        if body.startswith("["):
+            calls += [
+                _partial_object(item, ("arguments", "parameters")) for item in _array_items(body)
+            ]
+            continue
+        name, marked, arguments = body.partition(_MISTRAL_ARGS)
+        # A tail that may be the next call's marker is not arguments (yet).
+        arguments = arguments[: len(arguments) - _marker_prefix_at_end(arguments, _MISTRAL_CALLS)]
+        calls.append(
+            PartialCall(name.strip(), arguments.strip()) if marked else PartialCall(None, "")
+        )
+    return calls
+
+
+def _marker_prefix_at_end(text: str, marker: str) -> int:
+    """How many of `text`'s last characters are a proper prefix of `marker`."""
+    return next((n for n in range(len(marker) - 1, 0, -1) if text.endswith(marker[:n])), 0)
 
 
 def _partial_object(text: str, argument_keys: tuple[str, ...]) -> PartialCall:
