@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bulletserve.server.tools import (
+    CallReader,
     CallStream,
     ParsedCall,
     calls_as_text,
@@ -14,7 +15,6 @@ from bulletserve.server.tools import (
     forced_calls,
     may_start_call,
     parse_calls,
-    partial_calls,
 )
 
 
@@ -193,9 +193,9 @@ def test_streamed_calls_send_each_name_once_and_arguments_as_they_grow(parser, k
     text = STREAMED[(parser, kind)]
     named = "get_weather" if kind == "named" else None
     stream, names, arguments = CallStream.start(), {}, {}
+    reader = CallReader(parser, kind, named, SCHEMAS)
     for end in [*range(step, len(text), step), len(text)]:
-        calls = partial_calls(text[:end], parser, kind, named, SCHEMAS)
-        for index, call_id, name, new in stream.advance(calls, None):
+        for index, call_id, name, new in stream.advance(reader.read(text[:end]), None):
             if call_id is not None:
                 assert index not in names and name
                 names[index] = name
@@ -214,7 +214,7 @@ def test_streamed_calls_send_each_name_once_and_arguments_as_they_grow(parser, k
 
 def test_a_call_of_a_tool_not_offered_is_never_streamed():
     text = '<tool_call>{"name": "delete_everything", "arguments": {}}</tool_call>'
-    calls = partial_calls(text, "hermes", "auto")
+    calls = CallReader("hermes", "auto").read(text)
     assert CallStream.start().advance(calls, frozenset({"get_weather"})) == []
 
 
@@ -239,10 +239,9 @@ def test_mistral_calls_in_both_of_its_tokenizers_forms():
 @pytest.mark.parametrize("step", [1, 4])
 def test_mistral_v11_calls_stream_as_they_are_written(step):
     stream, names, arguments = CallStream.start(), {}, {}
+    reader = CallReader("mistral", "auto")
     for end in [*range(step, len(MISTRAL_V11), step), len(MISTRAL_V11)]:
-        for index, call_id, name, new in stream.advance(
-            partial_calls(MISTRAL_V11[:end], "mistral", "auto"), None
-        ):
+        for index, call_id, name, new in stream.advance(reader.read(MISTRAL_V11[:end]), None):
             if call_id is not None:
                 names[index] = name
             arguments[index] = arguments.get(index, "") + new

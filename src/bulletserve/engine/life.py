@@ -144,7 +144,7 @@ class RequestLife:
         delta = detok.add(token)
         request.text = detok.text
         if params.thinking_token_budget is not None and not request.reasoning_ended:
-            self._spend_thinking(request, token)
+            self._spend_thinking(request, token, len(delta))
         if delta and params.stop:
             cut = _find_stop(request.text, params.stop, len(delta))
             if cut is not None:
@@ -159,7 +159,7 @@ class RequestLife:
             request.text = detok.text
             self._finish(request, "length")
 
-    def _spend_thinking(self, request: Request, token: int) -> None:
+    def _spend_thinking(self, request: Request, token: int, new_chars: int) -> None:
         """Count a reasoning token against the request's thinking_token_budget: once spent
         before the reasoning ended, the next draws are forced to its end's tokens; the
         reasoning has ended once the output ends with them."""
@@ -168,7 +168,10 @@ class RequestLife:
         end = self._end_ids(params.reasoning_end)
         if request.forced_tokens and request.forced_tokens[0] == token:
             request.forced_tokens.pop(0)
-        if request.output_token_ids[-len(end) :] == end or params.reasoning_end in request.text:
+        # The end may have been written in other tokens: looked for where it could have ended
+        # now, the text's last new characters (not the whole text at every token).
+        tail = request.text[-(new_chars + len(params.reasoning_end)) :]
+        if request.output_token_ids[-len(end) :] == end or params.reasoning_end in tail:
             request.reasoning_ended = True
             request.forced_tokens.clear()
         elif (

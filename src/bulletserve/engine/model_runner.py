@@ -454,7 +454,8 @@ class ModelRunner:
         bytes are of another format, or a NaN epsilon, make it."""
         work = SeqWork(token_ids, 0, block_table, True)
         device_pass = self.begin_pass([work])
-        if not bool(torch.isfinite(self.model.embed(device_pass.batch.input_ids)).all()):
+        device_pass.hidden = self.model.embed(device_pass.batch.input_ids)
+        if not bool(torch.isfinite(device_pass.hidden).all()):
             raise _non_finite("the embedding's rows")
         for layer in range(self.model.config.num_layers):
             hidden, logits = self.run_layers(device_pass, layer, layer + 1)

@@ -51,6 +51,7 @@ from bulletserve.server.serving import (
     usage,
 )
 from bulletserve.server.tools import (
+    CallReader,
     CallStream,
     ParsedCall,
     ToolParserName,
@@ -60,7 +61,6 @@ from bulletserve.server.tools import (
     forced_calls,
     may_start_call,
     parse_calls,
-    partial_calls,
     template_takes_tools,
     tools_system_message,
 )
@@ -345,6 +345,7 @@ class _ChoiceStream:
     num_logprobs: int = 0
     reasoning: ReasoningStream | None = None
     content: str = ""  # the answer so far (the whole text without a reasoning parser)
+    reader: CallReader | None = None  # the tool calls in the answer so far (a tool mode)
     calls: CallStream = field(default_factory=CallStream.start)  # the tool calls sent so far
 
 
@@ -394,8 +395,13 @@ class _ChatEvents:
     def deltas(self, index: int, output: RequestOutput) -> list[str]:
         state = self.choices.get(index)
         if state is None:
-            stream = None if self.reasoning is None else ReasoningStream(self.reasoning)
-            state = self.choices[index] = _ChoiceStream(reasoning=stream)
+            mode = self.mode
+            state = self.choices[index] = _ChoiceStream(
+                reasoning=None if self.reasoning is None else ReasoningStream(self.reasoning),
+                reader=None
+                if mode is None
+                else CallReader(mode.parser, mode.kind, mode.name, mode.schemas),
+            )
         so_far = [output] if self.continuous_usage else None
         events = []
         if not state.sent_role:
@@ -416,13 +422,12 @@ class _ChatEvents:
             state.content += new_answer
         text, mode = state.content, self.mode
         visible = len(text)
-        if mode is not None:
+        moved: list[tuple[int, str | None, str | None, str]] = []
+        if mode is not None and state.reader is not None:
             cut = 0 if mode.kind != "auto" else may_start_call(text, mode.parser)
             visible = len(text) if cut is None else max(cut, state.sent_chars)
-        moved: list[tuple[int, str | None, str | None, str]] = []
-        if mode is not None:
-            partial = partial_calls(text, mode.parser, mode.kind, mode.name, mode.schemas)
-            moved = state.calls.advance(partial, mode.offered if mode.kind == "auto" else None)
+            offered = mode.offered if mode.kind == "auto" else None
+            moved = state.calls.advance(state.reader.read(text), offered)
         calls: list[ParsedCall] = []
         if output.finished and mode is not None:
             _, calls = mode.calls(text)

@@ -35,6 +35,9 @@ _HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# The keys a call object's arguments may stand under (hermes and mistral write `arguments`,
+# llama3_json and a forced `required` array `parameters`).
+_ARGUMENT_KEYS = ("arguments", "parameters")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
 _PARAMETER = re.compile(
     r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|(?=</function>)|$)",
@@ -306,61 +309,83 @@ class PartialCall:
     arguments: str
 
 
-def partial_calls(
-    text: str, parser: ToolParserName, kind: str, named: str | None = None,
-    schemas: ToolSchemas | None = None,
-) -> list[PartialCall]:  # fmt: skip
-    """The calls `text` (an output so far) holds or is writing, in order: for `kind` "named"
-    the output is the arguments object; "required" a JSON array of {name, parameters}; "auto"
-    the parser's format after any content."""
-    if kind == "named":
-        return [PartialCall(named, text.lstrip())]
-    if kind == "required":
-        return [_partial_object(piece, ("parameters",)) for piece in _array_items(text)]
-    if parser == "mistral":
-        return _partial_mistral_calls(text)
-    if parser == "qwen3_coder":
-        _, calls = parse_calls(text, parser, schemas) if "</function>" in text else (None, [])
-        ended = text.count("</function>")
-        return [PartialCall(c.name, c.arguments) for c in calls[:ended]]
-    if parser == "hermes":
-        at = text.find(_HERMES_START)
-        if at < 0:
-            return []
-        blocks = text[at:].split(_HERMES_START)[1:]
-        return [
-            _partial_object(block.split("</tool_call>")[0].strip(), ("arguments", "parameters"))
-            for block in blocks
-        ]
-    body = text.lstrip()
-    if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG) :].lstrip()
-    if not body.startswith("{"):
-        return []
-    return [_partial_object(piece, ("parameters", "arguments")) for piece in _objects(body)]
+class CallReader:
+    """The calls of one output as it grows, in order: each name once whole, each call's
+    arguments' text so far. `read(text)` takes the whole text so far each step and scans JSON
+    only past where the last read stopped, so a step costs what it added (a streamed call's
+    arguments can run to thousands of characters). For `kind` "named" the output is the
+    arguments object; "required" a JSON array of {name, parameters}; "auto" the parser's format
+    after any content. qwen3_coder's calls come whole, as each function ends."""
+
+    def __init__(
+        self,
+        parser: ToolParserName,
+        kind: str,
+        named: str | None = None,
+        schemas: ToolSchemas | None = None,
+    ) -> None:
+        self.parser, self.kind, self.named, self.schemas = parser, kind, named, schemas or {}
+        self._regions: dict[int, _JsonCalls] = {}  # a JSON region's start -> its reader
+        self._ended: list[PartialCall] = []  # qwen3_coder's calls whose function has ended
+
+    def read(self, text: str) -> list[PartialCall]:
+        if self.kind == "named":
+            return [PartialCall(self.named, text.lstrip())]
+        if self.kind == "required":
+            return self._region(text, 0, len(text))
+        if self.parser == "qwen3_coder":
+            ended = text.count("</function>")
+            if ended > len(self._ended):
+                calls = parse_calls(text, self.parser, self.schemas)[1]
+                self._ended = [PartialCall(c.name, c.arguments) for c in calls]
+            return self._ended[:ended]
+        if self.parser == "mistral":
+            return self._mistral(text)
+        if self.parser == "hermes":
+            calls: list[PartialCall] = []
+            at = text.find(_HERMES_START)
+            while at >= 0:
+                start = at + len(_HERMES_START)
+                stop = text.find("</tool_call>", start)
+                calls += self._region(text, start, stop if stop >= 0 else len(text))
+                at = text.find(_HERMES_START, start)
+            return calls
+        body = _after_space(text, 0)
+        if text.startswith(_PYTHON_TAG, body):
+            body = _after_space(text, body + len(_PYTHON_TAG))
+        return self._region(text, body, len(text)) if text.startswith("{", body) else []
+
+    def _region(self, text: str, start: int, stop: int) -> list[PartialCall]:
+        reader = self._regions.get(start)
+        if reader is None:
+            reader = self._regions[start] = _JsonCalls(start)
+        return reader.read(text, stop)
+
+    def _mistral(self, text: str) -> list[PartialCall]:
+        """After each `[TOOL_CALLS]`: an array's items, or `NAME[ARGS]` (its name whole once
+        the `[ARGS]` marker is) and the arguments' text after it."""
+        calls: list[PartialCall] = []
+        at = text.find(_MISTRAL_CALLS)
+        while at >= 0:
+            start = _after_space(text, at + len(_MISTRAL_CALLS))
+            at = text.find(_MISTRAL_CALLS, start)
+            stop = at if at >= 0 else len(text)
+            if text.startswith("[", start):
+                calls += self._region(text, start, stop)
+                continue
+            name, marked, arguments = text[start:stop].partition(_MISTRAL_ARGS)
+            # A tail that may be the next call's marker is not arguments (yet).
+            held = _marker_prefix_at_end(arguments, _MISTRAL_CALLS)
+            arguments = arguments[: len(arguments) - held].strip()
+            calls.append(PartialCall(name.strip(), arguments) if marked else PartialCall(None, ""))
+        return calls
 
 
-def _partial_mistral_calls(text: str) -> list[PartialCall]:
-    """Mistral's calls so far: an array's items, or each `NAME[ARGS]` (its name whole once the
-    `[ARGS]` marker is) and the arguments' text after it."""
-    at = text.find(_MISTRAL_CALLS)
-    if at < 0:
-        return []
-    calls: list[PartialCall] = []
-    for segment in text[at:].split(_MISTRAL_CALLS)[1:]:
-        body = segment.lstrip()
-        if body.startswith("["):
-            calls += [
-                _partial_object(item, ("arguments", "parameters")) for item in _array_items(body)
-            ]
-            continue
-        name, marked, arguments = body.partition(_MISTRAL_ARGS)
-        # A tail that may be the next call's marker is not arguments (yet).
-        arguments = arguments[: len(arguments) - _marker_prefix_at_end(arguments, _MISTRAL_CALLS)]
-        calls.append(
-            PartialCall(name.strip(), arguments.strip()) if marked else PartialCall(None, "")
-        )
-    return calls
+def _after_space(text: str, at: int) -> int:
+    """The index of the first character from `at` on that is not whitespace."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 def _marker_prefix_at_end(text: str, marker: str) -> int:
@@ -368,56 +393,86 @@ def _marker_prefix_at_end(text: str, marker: str) -> int:
     return next((n for n in range(len(marker) - 1, 0, -1) if text.endswith(marker[:n])), 0)
 
 
-def _partial_object(text: str, argument_keys: tuple[str, ...]) -> PartialCall:
-    """A call object's name (once its string is whole) and its arguments value's text so far
-    (to the end of the text while it is being written), read off the top level of possibly
-    unfinished JSON."""
-    name, closed_arguments = None, None
-    depth, quote_open, key, key_start, value_key, value_start = 0, False, None, None, None, None
-    for i, ch in _outside_strings(text):
+@dataclass
+class _CallSpan:
+    """Where one call object's parts lie in the text."""
+
+    name: str | None = None
+    arguments_start: int | None = None
+    arguments_stop: int | None = None  # None while its arguments are being written
+
+
+class _JsonCalls:
+    """The call objects of JSON text from `start` (objects not inside another object: one
+    alone, or an array's items), read a character at a time past where the last read stopped:
+    each one's name once its string is whole, and where its arguments value lies."""
+
+    def __init__(self, start: int) -> None:
+        self._pos = start
+        self._calls: list[_CallSpan] = []
+        self._containers: list[str] = []  # the open `{` and `[`, outermost first
+        self._in_string = self._escaped = False
+        self._string_start = 0
+        self._top: int | None = None  # how many containers are open inside a call's object
+        self._key: str | None = None  # the call's key whose value is next or being read
+        self._after_colon = False
+        self._value_started = False
+
+    def read(self, text: str, stop: int) -> list[PartialCall]:
+        for i in range(self._pos, stop):
+            self._step(text, i, text[i])
+        self._pos = max(self._pos, stop)
+        return [
+            PartialCall(c.name, "")
+            if c.arguments_start is None
+            else PartialCall(c.name, text[c.arguments_start : c.arguments_stop or stop])
+            for c in self._calls
+        ]
+
+    def _at_top(self) -> bool:
+        return self._top is not None and len(self._containers) == self._top
+
+    def _step(self, text: str, i: int, ch: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self._in_string = False
+                if self._at_top():
+                    self._string_read(_json(text[self._string_start : i + 1]))
+            return
+        if self._at_top() and self._after_colon and not self._value_started and not ch.isspace():
+            self._value_started = True
+            if self._key in _ARGUMENT_KEYS and ch in "{[":
+                self._calls[-1].arguments_start = i
         if ch == '"':
-            quote_open = not quote_open
-            if quote_open and depth == 1 and value_key is None and key is None:
-                key_start = i
-            elif quote_open and depth == 1 and value_key is not None and value_start is None:
-                value_start = i
-            elif not quote_open and depth == 1 and key_start is not None:
-                key, key_start = _json(text[key_start : i + 1]), None
-            elif not quote_open and depth == 1 and value_key == "name" and value_start is not None:
-                parsed = _json(text[value_start : i + 1])
-                name = parsed if isinstance(parsed, str) else None
-        elif ch == ":" and depth == 1:
-            value_key, value_start = key, None
+            self._in_string, self._string_start = True, i
         elif ch in "{[":
-            depth += 1
-            if depth == 2 and value_key in argument_keys and value_start is None:
-                value_start = i
+            if ch == "{" and "{" not in self._containers:
+                self._calls.append(_CallSpan())
+                self._top, self._key, self._after_colon = len(self._containers) + 1, None, False
+            self._containers.append(ch)
         elif ch in "}]":
-            depth -= 1
-            if depth == 1 and value_key in argument_keys and value_start is not None:
-                closed_arguments = text[value_start : i + 1]
-                value_key = key = value_start = None
-        elif ch == "," and depth == 1:
-            value_key = key = value_start = None
-        elif not ch.isspace() and depth == 1 and value_key is not None and value_start is None:
-            value_start = i
-    if closed_arguments is not None:
-        return PartialCall(name, closed_arguments)
-    writing = value_key in argument_keys and value_start is not None and depth >= 2
-    return PartialCall(name, text[value_start:] if writing else "")
+            if self._containers:
+                self._containers.pop()
+            call = self._calls[-1] if self._calls else None
+            if call is not None and self._at_top() and call.arguments_start is not None:
+                call.arguments_stop = call.arguments_stop or i + 1
+            elif self._top is not None and len(self._containers) < self._top:
+                self._top = None  # the call's object closed
+        elif ch == ":" and self._at_top():
+            self._after_colon, self._value_started = True, False
+        elif ch == "," and self._at_top():
+            self._key, self._after_colon, self._value_started = None, False, False
 
-
-def _array_items(text: str) -> list[str]:
-    """The items of a JSON array so far (the last possibly unfinished)."""
-    body = text.strip()
-    if not body.startswith("["):
-        return []
-    return [item for item in _split_top_level(body[1:].removesuffix("]"), ",") if item]
-
-
-def _objects(text: str) -> list[str]:
-    """llama3_json's calls so far: objects separated by `;`."""
-    return _split_top_level(text, ";")
+    def _string_read(self, value: object) -> None:
+        """A string whole at a call's top level: a key, or the name's value."""
+        if not self._after_colon:
+            self._key = value if isinstance(value, str) else None
+        elif self._key == "name" and isinstance(value, str):
+            self._calls[-1].name = value
 
 
 @dataclass
