@@ -309,6 +309,8 @@ def test_packed_linear_module_frees_its_weight_and_computes_the_same(getter):
         pytest.skip("this kernel cannot run here")
     torch.manual_seed(0)
     module = Linear(40, 35, bias=True)
+    torch.nn.init.normal_(module.weight)
+    torch.nn.init.normal_(module.bias)
     x = torch.randn(3, 7, 40)
     expected = module(x)
     module.use_packed(kernel)

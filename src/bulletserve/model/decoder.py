@@ -38,6 +38,11 @@ class Linear(nn.Linear):
         self.quantized: QuantizedWeight | None = None
         self.quantized_kernel: QuantizedLinearKernel | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing: every weight is read from a file or drawn by the loader (`DecoderLM`'s
+        modules). PyTorch's own init, on the meta tensors a model is laid out on, imports
+        torch._dynamo: 1.5 s of every start."""
+
     def use_quantized(self, weight: QuantizedWeight, kernel: QuantizedLinearKernel) -> None:
         """Run on `weight`'s packed blocks through `kernel` from now on (the float weight,
         never filled, is dropped)."""
@@ -63,6 +68,15 @@ class Linear(nn.Linear):
         if self.kernel is not None:
             return self.kernel(x, self.packed_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class LMHead(nn.Module):
+    """The LM head's weight, [vocab, hidden]: `DecoderLM` computes with it (its logits, a
+    packed copy), never as a module, so it is laid out without an init."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +113,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # Computed on the host whatever device a model is laid out on: PyTorch's ops on the meta
+    # device (see `Linear.reset_parameters`) import torch._dynamo.
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (theta ** (dims / head_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -145,7 +162,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.ops: FusedOps | None = None
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).float()
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
@@ -286,14 +303,19 @@ class DecoderLM(nn.Module):
         self.tp = tp or TensorParallel()
         self.shard_config = config.sharded(self.tp.size)
         self.vocab_range = self.tp.shard.padded_range(config.vocab_size)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Laid out without PyTorch's init (see `Linear.reset_parameters`).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(self.shard_config, self.tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, self.local_vocab_size, bias=False)
+            self.lm_head = LMHead(config.hidden_size, self.local_vocab_size)
         self.packed_linear: LinearKernel | None = None
         # A quantized checkpoint's packed embedding and LM head (`use_quantized_weights`).
         self.quantized_kernel: QuantizedLinearKernel | None = None
