@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 300.0
 # How long a closing engine waits for each other rank's process to end.
 RANK_EXIT_WAIT_S = 10.0
+# How long a failed collective looks for the rank whose exit failed it (`failure_detail`).
+RANK_EXIT_SEEN_S = 1.0
 
 
 @dataclass
@@ -155,12 +158,16 @@ class Ranks:
         return cls(tp, processes)
 
     def failure_detail(self) -> str:
-        """Which ranks have exited, for an error message."""
-        return ", ".join(
-            f"rank {rank} exited with code {process.returncode}"
-            for rank, process in self.processes.items()
-            if process.poll() is not None
-        )
+        """Which ranks have exited, for an error message. A killed rank's sockets close a
+        moment before its exit can be reaped: a failed collective waits up to
+        RANK_EXIT_SEEN_S for that (a rank that hangs instead is named by no one)."""
+        deadline = time.monotonic() + RANK_EXIT_SEEN_S
+        while True:
+            dead = [(r, p) for r, p in self.processes.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        return ", ".join(f"rank {rank} exited with code {p.returncode}" for rank, p in dead)
 
     def close(self) -> None:
         """Stop every rank (after the lanes stopped announcing) and leave the group."""
