@@ -301,6 +301,31 @@ def test_tool_choice_auto_parses_a_call_and_streams_it_as_deltas(client):
     assert json.loads(calls[0]["arguments"])["city"] == "Paris"
 
 
+def test_parallel_tool_calls_false_returns_one_call_whole_and_streamed(client):
+    """Two hermes calls written (a regex beside "auto"): with parallel_tool_calls false the
+    first alone, whole and streamed; `required` is held to one call by its grammar."""
+    calls_text = "".join(
+        f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': {'city': city}})}"
+        "\n</tool_call>"
+        for city in ("Paris", "Rome")
+    )
+    regex = calls_text.replace("{", "\\{").replace("}", "\\}")
+    kwargs = dict(tools=[WEATHER], tool_choice="auto", extra_body={"guided_regex": regex})
+    both = chat(client, **kwargs).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["city"] for c in both] == ["Paris", "Rome"]
+    (first,) = chat(client, parallel_tool_calls=False, **kwargs).choices[0].message.tool_calls
+    assert json.loads(first.function.arguments) == {"city": "Paris"}
+    streamed: dict[int, str] = {}
+    for chunk in chat(client, stream=True, parallel_tool_calls=False, **kwargs):
+        for call in chunk.choices[0].delta.tool_calls or ():
+            streamed[call.index] = streamed.get(call.index, "") + (call.function.arguments or "")
+    assert list(streamed) == [0] and json.loads(streamed[0]) == {"city": "Paris"}
+    required = chat(
+        client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=200
+    ).choices[0]
+    assert len(required.message.tool_calls) == 1 and required.finish_reason == "tool_calls"
+
+
 def test_a_qwen3_coder_call_is_parsed_whole_and_streamed(engine):
     """The same under --tool-call-parser qwen3_coder: the random model made to write its XML
     call; the parameters come back typed by the tool's schema."""

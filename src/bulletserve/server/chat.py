@@ -76,6 +76,7 @@ class ToolMode:
     name: str | None = None  # the named function
     offered: frozenset[str] = frozenset()  # the request's tools' names
     schemas: ToolSchemas = field(default_factory=dict)  # their parameters, by name
+    single: bool = False  # parallel_tool_calls false: the first call alone
 
     def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls) of a finished output. A forced output cut short (max_tokens) does
@@ -85,7 +86,7 @@ class ToolMode:
             content, calls = parse_calls(text, self.parser, self.schemas)
             if any(call.name not in self.offered for call in calls):
                 return text, []
-            return content, calls
+            return content, calls[:1] if self.single else calls
         try:
             return None, forced_calls(text, self.name)
         except (json.JSONDecodeError, KeyError, TypeError):
@@ -177,7 +178,7 @@ class ChatServing:
         if isinstance(choice, NamedToolChoice):
             return ToolMode("named", self.parser, choice.function.name)
         if choice == "required":
-            return ToolMode("required", self.parser)
+            return ToolMode("required", self.parser)  # one call alone: its grammar (`fields`)
         if not self.serving.settings.enable_auto_tool_choice:
             raise APIError(
                 400,
@@ -187,7 +188,13 @@ class ChatServing:
                 "tool_choice",
             )
         schemas = {t.function.name: t.function.parameters or {} for t in body.tools}
-        return ToolMode("auto", self.parser, offered=frozenset(schemas), schemas=schemas)
+        return ToolMode(
+            "auto",
+            self.parser,
+            offered=frozenset(schemas),
+            schemas=schemas,
+            single=body.parallel_tool_calls is False,
+        )
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving
@@ -423,11 +430,15 @@ class _ChatEvents:
         text, mode = state.content, self.mode
         visible = len(text)
         moved: list[tuple[int, str | None, str | None, str]] = []
-        if mode is not None and state.reader is not None:
+        # A call starts in the answer: under a reasoning parser, not before the reasoning ends
+        # (a named call's header included).
+        answering = state.reasoning is None or state.reasoning.answering
+        if mode is not None and state.reader is not None and answering:
             cut = 0 if mode.kind != "auto" else may_start_call(text, mode.parser)
             visible = len(text) if cut is None else max(cut, state.sent_chars)
             offered = mode.offered if mode.kind == "auto" else None
-            moved = state.calls.advance(state.reader.read(text), offered)
+            read = state.reader.read(text)
+            moved = state.calls.advance(read[:1] if mode.single else read, offered)
         calls: list[ParsedCall] = []
         if output.finished and mode is not None:
             _, calls = mode.calls(text)

@@ -109,17 +109,19 @@ def _grammar(ebnf: str) -> StructuredOutputs:
 def tool_choice_structure(body: ChatCompletionRequest) -> StructuredOutputs | None:
     """What a forced tool call must match, as vLLM constrains it: a named function's
     arguments (its parameters' schema), or for `required` a JSON array of at least one call
-    of any of the tools ({"name", "parameters"})."""
+    of any of the tools ({"name", "parameters"}); exactly one with `parallel_tool_calls` false."""
     choice, tools = body.tool_choice, body.tools or []
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
         return StructuredOutputs.json_schema(parameters_schema(tool))
     if choice == "required":
-        schema = {
+        schema: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
             "items": {"anyOf": [_call_schema(t) for t in tools]},
         }
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
         return StructuredOutputs.json_schema(schema)
     return None
 

@@ -12,7 +12,16 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from bulletserve.sched.slo import MIN_TARGET_MS
 
@@ -610,19 +619,28 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class FunctionCallDelta(BaseModel):
+class _LeavesOutNone(BaseModel):
+    """A part of a streamed delta: a field it does not carry is left out, as OpenAI's are (a
+    client that merges deltas, the openai SDK's stream helpers, takes a null for a value)."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class FunctionCallDelta(_LeavesOutNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCallDelta(BaseModel):
+class ToolCallDelta(_LeavesOutNone):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: FunctionCallDelta
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_LeavesOutNone):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None

@@ -84,10 +84,12 @@ class ReasoningStream:
     parser: ReasoningParser
     sent_reasoning: int = 0
     sent_content: int = 0
+    answering: bool = False  # whether the reasoning has ended (the answer may be empty yet)
 
     def advance(self, text: str, finished: bool) -> tuple[str, str]:
         """(new reasoning, new answer) since the last call, for the output's text so far."""
         split = self.parser.split(text, finished)
+        self.answering = split.content is not None
         reasoning = (split.reasoning or "")[self.sent_reasoning :]
         content = (split.content or "")[self.sent_content :]
         self.sent_reasoning += len(reasoning)
