@@ -215,9 +215,14 @@ def test_a_thinking_budget_without_a_reasoning_parser_is_refused(engine):
         assert response.json()["error"]["param"] == "thinking_token_budget"
 
 
-def test_include_reasoning_false_not_served_yet_is_refused_naming_it(engine):
-    with running_app(engine, reasoning_parser="qwen3") as url:
-        body = {"messages": MESSAGES, "include_reasoning": False}
-        response = httpx.post(url + "/v1/chat/completions", json=body, trust_env=False)
-        assert response.status_code == 400
-        assert response.json()["error"]["param"] == "include_reasoning"
+def test_include_reasoning_false_leaves_the_reasoning_out_whole_and_streamed(engine):
+    with running_app(engine, reasoning_parser="deepseek_r1") as url:
+        body = {"thinking_token_budget": 5, "max_tokens": 16}
+        shown = _chat(url, **body)
+        hidden = _chat(url, include_reasoning=False, **body)
+        message = hidden["choices"][0]["message"]
+        assert message["reasoning_content"] is None and message["reasoning"] is None
+        assert message["content"] == shown["choices"][0]["message"]["content"]
+        assert hidden["usage"] == shown["usage"]  # its tokens still counted
+        reasoning, content, _ = _streamed(url, include_reasoning=False, **body)
+        assert (reasoning, content) == ("", message["content"])

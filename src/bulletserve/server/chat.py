@@ -242,7 +242,14 @@ class ChatServing:
         outputs = serving.outputs(choices, request_id, admission)
         if body.stream:
             events = _ChatEvents(
-                self, response_id, body.include_usage, body.continuous_usage, mode, echo, reasoning
+                self,
+                response_id,
+                body.include_usage,
+                body.continuous_usage,
+                mode,
+                echo,
+                reasoning,
+                body.include_reasoning,
             )
             return StreamingResponse(
                 serving.stream(outputs, events.deltas, events.final),
@@ -285,11 +292,12 @@ class ChatServing:
             logprobs = None
             if final.logprobs is not None and body.logprobs:
                 logprobs = self.logprobs(final.logprobs)
+            shown = split.reasoning if body.include_reasoning else None
             message = AssistantMessage(
                 content=content,
                 tool_calls=[ToolCallOut(**call.with_id()) for call in calls] or None,
-                reasoning_content=split.reasoning,
-                reasoning=split.reasoning,
+                reasoning_content=shown,
+                reasoning=shown,
             )
             response_choices.append(
                 ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
@@ -371,6 +379,7 @@ class _ChatEvents:
         mode: ToolMode | None,
         echo: str,
         reasoning: ReasoningParser | None = None,
+        include_reasoning: bool = True,
     ) -> None:
         self.owner = owner
         self.reasoning = reasoning
@@ -386,6 +395,7 @@ class _ChatEvents:
             )
         )
         self.choices: dict[int, _ChoiceStream] = {}
+        self.include_reasoning = include_reasoning  # false: no reasoning deltas are sent
 
     def _chunk(self, choices: list[ChatChunkChoice], outputs: list[RequestOutput] | None) -> str:
         if outputs is None:
@@ -445,7 +455,7 @@ class _ChatEvents:
             if not calls and not state.calls.ids:
                 visible = len(text)  # no call after all: the held text is content
         delta = DeltaMessage(content=text[state.sent_chars : visible])
-        if new_reasoning:
+        if new_reasoning and self.include_reasoning:
             delta.reasoning_content = delta.reasoning = new_reasoning
             if visible == state.sent_chars:
                 delta.content = None  # a reasoning delta alone

@@ -51,7 +51,6 @@ REFUSED: dict[str, Any] = {
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "reasoning_effort": None,
-    "include_reasoning": True,
 }
 
 
@@ -464,6 +463,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     echo: bool = False
     # At most this many tokens of reasoning, then its end is forced (--reasoning-parser).
     thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+    include_reasoning: bool = True  # false: the reasoning is left out of the reply
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
