@@ -31,6 +31,9 @@ class BookEntry(Protocol):
     def num_output_tokens(self) -> int: ...
 
     @property
+    def num_draft_tokens(self) -> int: ...  # drafted tokens its next decode row verifies
+
+    @property
     def skips_prefix_cache(self) -> bool: ...  # computes every prompt token (prompt logprobs)
 
     @property
@@ -140,6 +143,14 @@ class RequestBook(Generic[E]):
         need = -(-num_tokens // self.block_size) - len(request.block_table)
         if need > 0:
             request.block_table.extend(self.allocator.allocate(need))
+
+    def trim_blocks(self, request: E, num_tokens: int) -> None:
+        """Free the request's blocks past those its first `num_tokens` tokens fill (a
+        verified row's rejected drafts: their KV is never read, and never cached)."""
+        keep = -(-num_tokens // self.block_size)
+        if len(request.block_table) > keep:
+            self.allocator.free(request.block_table[keep:])
+            del request.block_table[keep:]
 
     def release_blocks(self, request: E) -> None:
         """Free the request's blocks, unless a step is computing it (that step's end frees

@@ -94,8 +94,10 @@ def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
     step: SingleStep[E] = SingleStep(batch, preempted)
     for index, (request, num) in enumerate(step.batch):
         # An admitted prompt may find more of itself cached than its view said (a preemption
-        # just now released blocks of the same prefix): it computes only what is left.
-        num = min(num, request.num_tokens - request.num_computed_tokens)
+        # just now released blocks of the same prefix): it computes only what is left (a
+        # decode row: its token and at most its drafts).
+        left = request.num_tokens - request.num_computed_tokens
+        num = min(num, left + request.num_draft_tokens if left == 1 else left)
         step.batch[index] = (request, num)
         book.grow_blocks(request, request.num_computed_tokens + num)
         # A decode row feeds back its last sampled token; anything else is a prompt chunk (a
@@ -108,13 +110,20 @@ def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
 
 
 def end_single_step(
-    book: RequestBook[E], step: SingleStep[E], is_finished: Callable[[E], bool] = lambda _: False
+    book: RequestBook[E],
+    step: SingleStep[E],
+    is_finished: Callable[[E], bool] = lambda _: False,
+    rejected: Callable[[E], int] = lambda _: 0,
 ) -> None:
     """Count the tokens the step computed and cache the blocks they filled; a request that
-    ended while the step ran (`is_finished`: under the engine's --async-scheduling) is left
-    alone, its blocks already freed."""
+    ended while the step ran (`is_finished`: under the engine's --async-scheduling, or in the
+    middle of a verified row) is left alone, its blocks already freed. `rejected`: of a
+    decode row's drafts, those the model did not accept: not counted, their blocks freed."""
     for request, num in step.batch:
         if is_finished(request):
             continue
-        request.num_computed_tokens += num
+        dropped = rejected(request)
+        request.num_computed_tokens += num - dropped
+        if dropped:
+            book.trim_blocks(request, request.num_tokens)
         book.cache_computed(request)

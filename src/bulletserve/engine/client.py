@@ -27,6 +27,7 @@ from bulletserve.model.loader import load_config
 from bulletserve.model.source import ModelSource, resolve_model
 from bulletserve.model.tokenizer import load_tokenizer, stop_token_ids
 from bulletserve.sched.slo import ServiceClass
+from bulletserve.spec.counters import SpecCounters
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class EngineStats:
     step_times: dict[str, tuple[float, float]] = field(default_factory=dict)
     # SLO class (`ServiceClass.name`) -> requests of it waiting.
     waiting_by_class: dict[str, int] = field(default_factory=dict)
+    spec: SpecCounters | None = None  # speculative decoding's (None: it is off)
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(
@@ -195,6 +197,7 @@ class EngineStats:
             self.prompt_tokens + other.prompt_tokens,
             self.generation_tokens + other.generation_tokens,
             waiting_by_class=dict(Counter(self.waiting_by_class) + Counter(other.waiting_by_class)),
+            spec=other.spec if self.spec is None else self.spec + (other.spec or SpecCounters()),
         )
 
 

@@ -18,6 +18,7 @@ from bulletserve.model.source import LOAD_FORMATS, check_quantization
 from bulletserve.sched import POLICIES, SLO, SchedulerConfig
 from bulletserve.sched.base import SCHEDULING_POLICIES
 from bulletserve.sched.slo import check_target
+from bulletserve.spec.config import SpeculativeConfig
 
 # How long the engine waits, after a step's outputs went to the server's event loop, for the
 # loop to have written them out before it computes the next step (`AsyncEngine._deliver`,
@@ -53,6 +54,8 @@ class EngineConfig(SchedulerConfig):
     enforce_eager: bool = False  # on CUDA, run decode steps eagerly, not as CUDA graphs
     # Plan and launch each step while the last one runs (engine/single_lane.py); one lane only.
     async_scheduling: bool = False
+    # Speculative decoding (vLLM's --speculative-config: a JSON object, a dict, or parsed).
+    speculative_config: SpeculativeConfig | None = None
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # The SLO the bullet policy schedules for (and /metrics counts attainment against).
     slo_ttft_per_token_ms: float = 3.0
@@ -99,6 +102,20 @@ class EngineConfig(SchedulerConfig):
                 "--async-scheduling runs the one-lane policies (chunked, prefill-first); "
                 "Bullet's two lanes do not overlap their steps with the host's planning yet"
             )
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.parse(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
+            if self.policy == "bullet":
+                raise ValueError(
+                    "--speculative-config runs with --policy chunked or prefill-first: "
+                    "Bullet's lanes and its performance model do not verify drafts yet"
+                )
+            if self.async_scheduling:
+                raise ValueError(
+                    "--speculative-config with --async-scheduling is not built yet: a step's "
+                    "accepted tokens decide the next step's rows, so the next is not planned "
+                    "before this one is read back"
+                )
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(
                 "--async-scheduling is not built for --tensor-parallel-size > 1: the other "
@@ -322,6 +339,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "tokens read back after (vLLM's flag; --policy chunked or prefill-first). On a GPU the "
         "host's work between steps hides behind the device's; a CPU computes as it launches, "
         "so there it overlaps nothing",
+    )
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M} drafts '
+        "up to K tokens a step where the last N..M tokens occurred before in the prompt or "
+        "output; the model verifies them in one step and its output is the same as without",
     )
     grammar = parser.add_argument_group("structured outputs")
     grammar.add_argument(

@@ -44,6 +44,7 @@ from bulletserve.model.source import resolve_model
 from bulletserve.partition import TeamThread
 from bulletserve.sched.base import Policy, check_priority
 from bulletserve.sched.slo import ServiceClass
+from bulletserve.spec.counters import SpecCounters
 
 if TYPE_CHECKING:
     from bulletserve.sched.bullet import BulletPolicy
@@ -321,6 +322,10 @@ class LLMEngine:
             + ("on" if config.enable_prefix_caching else "off"),
             f"policy: {policy}",
             f"kernels: {self.runner.kernels()}",
+            "speculative decoding: "
+            + (
+                "off" if config.speculative_config is None else config.speculative_config.describe()
+            ),
         ]
 
     def stats(self) -> EngineStats:
@@ -342,6 +347,7 @@ class LLMEngine:
             lane_units=self.lane_units(),
             step_times=self.executor.step_times(),
             waiting_by_class=dict(Counter(r.service.name for r in waiting)),
+            spec=self.executor.spec_counters(),
         )
 
     def close(self) -> None:
@@ -400,6 +406,10 @@ class Executor(Protocol):
 
     def step_times(self) -> dict[str, tuple[float, float]]:
         """Step kind -> (predicted, measured) seconds of recent steps (none without a model)."""
+        ...
+
+    def spec_counters(self) -> SpecCounters | None:
+        """Speculative decoding's counters since start (None: it does not speculate)."""
         ...
 
     def outputs_handed_off(self) -> None: ...

@@ -177,6 +177,9 @@ class Lanes:
             "decode": (split.decode, self.prediction_error.get("decode")),
         }
 
+    def spec_counters(self) -> None:
+        return None  # Bullet's lanes do not speculate yet (EngineConfig refuses it)
+
     def step_times(self) -> dict[str, tuple[float, float]]:
         return dict(self._step_times)
 

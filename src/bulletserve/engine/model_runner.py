@@ -70,10 +70,18 @@ class SeqWork:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_top: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With `samples`: how many of its last rows get logits (a verified decode row: its token's
+    # and each draft's, 1 + drafts).
+    num_logits: int = 1
 
 
 def request_work(request: Request, start: int, end: int) -> SeqWork:
-    """A request's share of a step over its tokens [start, end)."""
+    """A request's share of a step over its tokens [start, end); past its tokens, a decode row
+    goes on over its drafts, each row's logits kept to verify them."""
+    if end > request.num_tokens:
+        drafts = request.draft_token_ids[: end - request.num_tokens]
+        token_ids = request.token_ids(start, request.num_tokens) + drafts
+        return SeqWork(token_ids, start, request.block_table, True, num_logits=1 + len(drafts))
     return SeqWork(
         request.token_ids(start, end),
         start,
@@ -92,7 +100,7 @@ class StepBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # padded on a CPU like the step's rows (repeating the last)
-    sampling_order: list[int]  # index into the given works, per logits row
+    sampling_order: list[int]  # index into the given works, per logits row (a work's in a run)
     # (index into the given works, its first row) of the works that want prompt logprobs.
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     query_starts: list[int] = field(default_factory=list)  # each given work's first row
@@ -294,8 +302,9 @@ class ModelRunner:
                     mask = self._upload(keys.unsqueeze(0) <= queries.unsqueeze(1))
                 spans.append(PrefillSpan(query_start, query_len, work.start, context_slots, mask))
             if work.samples:
-                logits_rows.append(query_start + query_len - 1)
-                sampling_order.append(index)
+                end_row = query_start + query_len
+                logits_rows.extend(range(end_row - work.num_logits, end_row))
+                sampling_order.extend([index] * work.num_logits)
             if work.prompt_targets:
                 prompt_rows.append((index, query_start))
         if decodes:

@@ -87,6 +87,9 @@ class Request:
     # Whether its next token is being drawn by a step in flight (--async-scheduling): counted
     # in its tokens, so that the next step is planned with it, but not yet in its output.
     pending: bool = False
+    # Tokens a proposer drafted to follow its output (speculative decoding), verified by its
+    # next decode row: never part of its tokens until the model accepts them.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prefix_root = salt_root(self.params.cache_salt)
@@ -119,6 +122,10 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids) + self.pending
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output (a pending token as PENDING_TOKEN)."""
         if self.pending and start < end == self.num_tokens:
@@ -150,6 +157,7 @@ class Request:
             slo=self.service.slo,
             first_token_time=self.timings.first_token,
             num_output_tokens=self.num_output_tokens,
+            num_draft_tokens=len(self.draft_token_ids),
         )
 
 

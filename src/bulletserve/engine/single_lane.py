@@ -32,9 +32,11 @@ from bulletserve.engine.model_runner import FedTokens, SeqWork, request_work
 from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.request import Request, RequestOutput, RequestState
 from bulletserve.engine.sampler import Draw
+from bulletserve.engine.speculation import Speculator
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot, StepPlan
+from bulletserve.spec.counters import SpecCounters
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,9 @@ class SingleLane:
             graphs.capture()
             logger.info("captured decode graphs in %.1f s", time.perf_counter() - started)
         self._timer = DeviceTimer(parts.clock) if parts.step_log and device.type == "cuda" else None
+        self.speculator = None
+        if parts.config.speculative_config is not None:
+            self.speculator = Speculator(parts.config.speculative_config, parts.life.max_model_len)
 
     def thread_counts(self) -> list[int]:
         return [torch.get_num_threads()]
@@ -127,6 +132,8 @@ class SingleLane:
         on the device, and the outputs are the last step's."""
         parts, life = self.parts, self.parts.life
         outputs = life.take_in()
+        if self.speculator is not None:
+            self.speculator.propose(parts.book.running)
         plan = self.policy.plan(self.snapshot())
         if self._in_flight is not None and self._waits_for_draw(plan):
             outputs += self._land_in_flight()
@@ -137,6 +144,8 @@ class SingleLane:
         if not step.batch:
             return outputs + self._land_in_flight()
         flight, logits = self._launch(step)
+        if self.speculator is not None:  # serial steps (EngineConfig refuses it with async)
+            return outputs + self._verify(flight, logits)
         outputs += self._land_in_flight()
         self._draw(flight, logits)
         self._close(flight)
@@ -202,36 +211,49 @@ class SingleLane:
             flight.draw = self.parts.sampler.draw(logits, flight.sampled, stop_ids)
             flight.draw.copy_back()
 
-    def _close(self, flight: InFlight) -> None:
-        """Count what the step computed (the host knows every token it read by now), and mark
-        the tokens it draws as pending in their requests until they are read back. A request
-        that ended meanwhile (its stop found in the step before, an abort) is left alone."""
+    def _close(self, flight: InFlight, rejected: dict[str, int] | None = None) -> None:
+        """Count what the step computed (the host knows every token it read by now, and with
+        `rejected` which drafts the model did not accept), and mark the tokens it draws as
+        pending in their requests until they are read back. A request that ended meanwhile
+        (its stop found in the step before, an abort) is left alone."""
         parts = self.parts
-        end_single_step(parts.book, flight.step, lambda request: request.is_finished)
+        end_single_step(
+            parts.book,
+            flight.step,
+            lambda request: request.is_finished,
+            (lambda request: rejected.get(request.request_id, 0)) if rejected else lambda _: 0,
+        )
         for (request, _), work in zip(flight.step.batch, flight.works, strict=True):
             if request.is_finished:
                 continue
             if work.prompt_targets:
                 request.keep_prompt_logprobs(work.start, work.prompt_logprobs)
-            if request.num_computed_tokens < request.num_tokens:
+            if not work.samples:  # a prompt's chunk short of its end
                 request.state = RequestState.PREFILLING
-        for request in flight.sampled:
-            request.pending = not request.is_finished
+        if rejected is None:
+            for request in flight.sampled:
+                request.pending = not request.is_finished
+
+    def _verify(self, flight: InFlight, logits: torch.Tensor) -> list[RequestOutput]:
+        """Under speculative decoding: draw the step's tokens position by position, each
+        verified row as far as its drafts hold (`Speculator.verify`), then count what the step
+        computed; the outputs of the requests it advanced."""
+        parts, life = self.parts, self.parts.life
+        assert self.speculator is not None
+        rejected = self.speculator.verify(
+            flight.sampled, logits, parts.sampler, life, parts.clock.now()
+        )
+        self._close(flight, rejected)
+        self._log_step(flight)
+        advanced = {request.request_id: request for request in flight.sampled}
+        return [life.output(request) for request in advanced.values()]
 
     def _land(self, flight: InFlight) -> list[RequestOutput]:
         """Read the step's draw back and hand each token to its request's life; the outputs of
         the requests it advanced. A token drawn for a request that ended meanwhile is dropped."""
         parts, life = self.parts, self.parts.life
         tokens, logprobs = flight.draw.read() if flight.draw is not None else ([], [])
-        if parts.step_log:
-            ended, measured = flight.ended, flight.measured
-            if self._timer is not None and flight.events is not None:
-                started, ended = (self._timer.at(event) for event in flight.events)
-                measured = ended - started
-            es = flight.step.execution_state(self.units)[0]
-            record = flight.step.record(ended, self.units, es, measured)
-            write_step(parts.step_log, record)
-            parts.step_log.flush()
+        self._log_step(flight)
         now = parts.clock.now()
         outputs = []
         for request, token, logprob in zip(flight.sampled, tokens, logprobs, strict=True):
@@ -241,6 +263,19 @@ class SingleLane:
             life.append_token(request, token, logprob, now)
             outputs.append(life.output(request))
         return outputs
+
+    def _log_step(self, flight: InFlight) -> None:
+        """The step's line in the step log, where one is written."""
+        parts = self.parts
+        if parts.step_log:
+            ended, measured = flight.ended, flight.measured
+            if self._timer is not None and flight.events is not None:
+                started, ended = (self._timer.at(event) for event in flight.events)
+                measured = ended - started
+            es = flight.step.execution_state(self.units)[0]
+            record = flight.step.record(ended, self.units, es, measured)
+            write_step(parts.step_log, record)
+            parts.step_log.flush()
 
     # ---- the rest of the executor interface: one lane computes only inside `step()` ---------
 
@@ -258,6 +293,9 @@ class SingleLane:
 
     def step_times(self) -> dict[str, tuple[float, float]]:
         return {}  # the one-lane policies plan without a performance model
+
+    def spec_counters(self) -> SpecCounters | None:
+        return None if self.speculator is None else self.speculator.counters.copy()
 
     def outputs_handed_off(self) -> None:
         pass

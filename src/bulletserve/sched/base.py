@@ -33,6 +33,9 @@ class SeqView:
     # When its first token came (None: not yet) and how many it has generated: its TPOT so far.
     first_token_time: float | None = None
     num_output_tokens: int = 0
+    # Tokens drafted for it to verify in its next decode row (speculative decoding), beyond
+    # its own: the row may compute 1 + these, the step's budget permitting.
+    num_draft_tokens: int = 0
 
     @property
     def num_remaining(self) -> int:
@@ -123,13 +126,18 @@ class PlanBuilder:
         end of it (the newest, where priorities and SLOs are alike).
 
         With `chunk`, a request that is still prefilling gets as many tokens as the budget allows;
-        without it, every running request is decoding and needs exactly one.
+        without it, every running request is decoding and needs exactly one. A decoding
+        request's drafts ride in its row while the budget lasts.
         """
         running = sorted(self.snapshot.running, key=keep_order)
         self.budget.seqs -= len(running)
         while running:
             seq = running.pop(0)
-            num = min(seq.num_remaining, self.budget.tokens) if chunk else seq.num_remaining
+            wanted = seq.num_remaining + seq.num_draft_tokens
+            if chunk:
+                num = min(wanted, self.budget.tokens)
+            else:
+                num = max(seq.num_remaining, min(wanted, self.budget.tokens))
             if num <= 0:
                 continue
             need = blocks_needed(seq, num, self.snapshot.block_size)

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from bulletserve.engine.client import EngineClient
 from bulletserve.engine.request import RequestOutput
 from bulletserve.sched.slo import SLO, ServiceClass
+from bulletserve.spec.counters import SpecCounters
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -93,6 +94,8 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if stats.spec is not None:
+            yield from _spec_counters(stats.spec, self.model_name)
         if stats.lane_units:
             units = GaugeMetricFamily(
                 "bullet:lane_units", "Compute units (SMs or CPU threads) each lane has now.",
@@ -125,6 +128,28 @@ class _EngineCollector(Collector):
             yield from families
 
 
+def _spec_counters(spec: SpecCounters, model_name: str) -> Iterator[Metric]:
+    """Speculative decoding's counters, as vLLM names them."""
+    for name, documentation, value in (
+        ("num_drafts", "Verified decode rows that carried drafts.", spec.num_drafts),
+        ("num_draft_tokens", "Drafted tokens verified.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Drafted tokens the model accepted.", spec.num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(
+            f"bullet:spec_decode_{name}", documentation, labels=["model_name"]
+        )
+        counter.add_metric([model_name], value)
+        yield counter
+    per_position = CounterMetricFamily(
+        "bullet:spec_decode_num_accepted_tokens_per_pos",
+        "Drafted tokens accepted, per position in the draft (0 first).",
+        labels=["model_name", "position"],
+    )
+    for position, count in enumerate(spec.accepted_per_position):
+        per_position.add_metric([model_name, str(position)], count)
+    yield per_position
+
+
 # Our metrics that vLLM exports too, under the same name with its `vllm:` prefix.
 VLLM_NAMES = frozenset(
     {
@@ -132,6 +157,8 @@ VLLM_NAMES = frozenset(
         "time_to_first_token_seconds", "time_per_output_token_seconds",
         "e2e_request_latency_seconds", "request_queue_time_seconds", "prompt_tokens",
         "generation_tokens", "request_success", "prefix_cache_queries", "prefix_cache_hits",
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
     }
 )  # fmt: skip
 

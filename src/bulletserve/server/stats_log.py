@@ -39,12 +39,22 @@ class StatsLog:
         queries = stats.prefix_cache_queries - last.prefix_cache_queries
         hits = stats.prefix_cache_hits - last.prefix_cache_hits
         hit_rate = hits / queries if queries else 0.0
-        return (
+        text = (
             f"prompt throughput: {prompt:.1f} tokens/s, generation throughput: "
             f"{generation:.1f} tokens/s, running: {stats.num_running} reqs, waiting: "
             f"{stats.num_waiting} reqs, KV cache usage: {usage:.1%}, prefix cache hit rate: "
             f"{hit_rate:.1%}"
         )
+        if stats.spec is not None:
+            drafts = stats.spec.num_drafts - (last.spec.num_drafts if last.spec else 0)
+            drafted = stats.spec.num_draft_tokens - (last.spec.num_draft_tokens if last.spec else 0)
+            accepted = stats.spec.num_accepted_tokens - (
+                last.spec.num_accepted_tokens if last.spec else 0
+            )
+            rate = accepted / drafted if drafted else 0.0
+            length = 1 + accepted / drafts if drafts else 1.0
+            text += f", draft acceptance rate: {rate:.1%}, mean acceptance length: {length:.2f}"
+        return text
 
     async def run(self) -> None:
         self._last = (time.monotonic(), self.engine.stats())

@@ -46,6 +46,10 @@ class SimRequest:
         return len(self.token_times)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return 0  # the simulator does not model speculative decoding yet
+
+    @property
     def skips_prefix_cache(self) -> bool:
         return False  # a simulated request asks for no prompt logprobs
 

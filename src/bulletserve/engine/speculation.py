@@ -1,0 +1,127 @@
+"""Speculative decoding in the engine: drafts proposed for the decoding requests before a step
+is planned, and each verified row's tokens drawn position by position after it.
+
+A verified row computes its last token and its d drafts in one forward, with logits at each of
+the 1 + d positions. Its tokens are then drawn as decoding one at a time would draw them: at
+position j the request's logits are processed (grammar, penalties, bias, min_tokens, forced
+tokens) with every token before j already in its output, the token is drawn from that
+distribution with the request's own generator, and handed to its life (stops, limits); the row
+goes on to j + 1 only while the drawn token equals draft j. A draft proposed without a
+distribution of its own (n-gram lookup: q one-hot) is accepted with probability p(draft), and
+where it is not, the token drawn is distributed as p without the draft, renormalized: exactly
+rejection sampling's min(1, p/q) and max(p - q, 0), and the last position's token is the bonus.
+So the output is the one decoding without speculation gives, token for token (greedy) and draw
+for draw (a seeded request consumes one uniform per token either way), logprobs included.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from bulletserve.engine.life import RequestLife
+from bulletserve.engine.request import Request
+from bulletserve.engine.sampler import Sampler
+from bulletserve.spec.config import SpeculativeConfig
+from bulletserve.spec.counters import SpecCounters
+from bulletserve.spec.ngram import NgramIndex
+
+logger = logging.getLogger(__name__)
+
+
+class Speculator:
+    """Drafts for decoding requests and the verification of their rows (`verify`)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self._indexes: dict[str, NgramIndex] = {}
+        self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set each decoding request's drafts (none for a prefilling one), no more than its
+        max_tokens and the context length leave room for after the token its row draws."""
+        started = time.perf_counter()
+        live = set()
+        for request in running:
+            live.add(request.request_id)
+            request.draft_token_ids = []
+            if (
+                request.num_computed_tokens != request.num_tokens - 1
+                or not request.output_token_ids
+            ):
+                continue
+            room = min(
+                self.config.num_speculative_tokens,
+                request.params.max_tokens - len(request.output_token_ids) - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if room <= 0:
+                continue
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(
+                    self.config.prompt_lookup_min, self.config.prompt_lookup_max
+                )
+                index.extend(request.prompt_token_ids)
+            index.extend(
+                request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :]
+            )
+            request.draft_token_ids = index.propose(room)
+        for request_id in [r for r in self._indexes if r not in live]:
+            del self._indexes[request_id]
+        self.counters.propose_s += time.perf_counter() - started
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        rows: list[Request],
+        logits: torch.Tensor,
+        sampler: Sampler,
+        life: RequestLife,
+        now: float,
+    ) -> dict[str, int]:
+        """Draw every sampling row's tokens (`rows`: each logits row's request, a verified
+        row's 1 + d in a run) and hand them to the requests' lives; per request that carried
+        drafts, how many of them the model rejected."""
+        runs: list[tuple[Request, int, list[int]]] = []  # request, its first row, its drafts
+        for row, request in enumerate(rows):
+            if runs and runs[-1][0] is request:
+                continue
+            end = row + 1
+            while end < len(rows) and rows[end] is request:
+                end += 1
+            runs.append((request, row, request.draft_token_ids[: end - row - 1]))
+        rejected = {request.request_id: len(drafts) for request, _, drafts in runs if drafts}
+        counters = self.counters
+        for _, _, drafts in runs:
+            if drafts:
+                counters.num_drafts += 1
+                counters.num_draft_tokens += len(drafts)
+        active = [run for run in runs if not run[0].is_finished]
+        position = 0
+        while active:
+            index = torch.tensor([first + position for _, first, _ in active], device=logits.device)
+            requests = [request for request, _, _ in active]
+            draw = sampler.draw(
+                logits.index_select(0, index), requests, [r.stop_ids for r in requests]
+            )
+            tokens, logprobs = draw.read()
+            going = []
+            for (request, first, drafts), token, logprob in zip(
+                active, tokens, logprobs, strict=True
+            ):
+                life.append_token(request, token, logprob, now)
+                if request.is_finished or position >= len(drafts) or token != drafts[position]:
+                    continue
+                rejected[request.request_id] -= 1
+                counters.num_accepted_tokens += 1
+                counters.accepted_per_position[position] += 1
+                going.append((request, first, drafts))
+            active = going
+            position += 1
+        for request, _, _ in runs:
+            request.draft_token_ids = []
+        return rejected

@@ -1,0 +1,96 @@
+"""`--speculative-config` (vLLM's keys): which proposer drafts and how many tokens a step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+SpecMethod = Literal["ngram"]
+METHODS: tuple[SpecMethod, ...] = ("ngram",)
+# vLLM's other methods, not built here: what each needs.
+NOT_BUILT = {
+    "suffix": "suffix decoding is not built yet; use ngram",
+    "draft_model": "a draft model is not built yet; use ngram",
+    "eagle": "EAGLE needs a trained draft head over the target's hidden states, not built here",
+    "eagle3": "EAGLE-3 needs a trained draft head over the target's hidden states, not built here",
+    "mtp": "MTP needs the model's own multi-token-prediction layers, which no model here loads",
+    "medusa": "Medusa needs trained prediction heads, not built here",
+    "mlp_speculator": "an MLP speculator needs a trained draft head, not built here",
+}
+# vLLM's default n-gram window where neither bound is given.
+DEFAULT_LOOKUP = 5
+MAX_SPECULATIVE_TOKENS = 64
+MAX_LOOKUP = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Drafts of up to `num_speculative_tokens` tokens per decoding request and step; for
+    ngram, the longest n-gram from `prompt_lookup_max` down to `prompt_lookup_min` that ends
+    the request's tokens and occurred in them before proposes what followed it there."""
+
+    method: SpecMethod
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From --speculative-config's JSON or `LLM(speculative_config={...})`; ValueError
+        naming the key that is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        method = value.get("method")
+        if method in NOT_BUILT:
+            raise ValueError(f"--speculative-config method {method!r}: {NOT_BUILT[method]}")
+        if method not in METHODS:
+            names = ", ".join(METHODS)
+            raise ValueError(f"--speculative-config method must be one of {names}, not {method!r}")
+        if unknown:
+            raise ValueError(
+                f"--speculative-config key {unknown[0]!r} is not taken with method {method!r} "
+                f"(taken: {', '.join(sorted(known))})"
+            )
+        tokens = _count(value, "num_speculative_tokens", None, MAX_SPECULATIVE_TOKENS)
+        low = value.get("prompt_lookup_min")
+        high = value.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = DEFAULT_LOOKUP
+        low = _count({"prompt_lookup_min": high if low is None else low}, "prompt_lookup_min")
+        high = _count({"prompt_lookup_max": low if high is None else high}, "prompt_lookup_max")
+        if low > high:
+            raise ValueError(
+                f"--speculative-config prompt_lookup_min ({low}) is above prompt_lookup_max "
+                f"({high})"
+            )
+        return cls(method, tokens, low, high)
+
+    def describe(self) -> str:
+        """The startup block's line."""
+        return (
+            f"{self.method}, {self.num_speculative_tokens} tokens a step, n-grams of "
+            f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
+        )
+
+
+def _count(
+    value: dict[str, Any], key: str, default: int | None = None, most: int = MAX_LOOKUP
+) -> int:
+    number = value.get(key, default)
+    if number is None:
+        raise ValueError(f"--speculative-config needs {key!r}")
+    if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= most:
+        raise ValueError(
+            f"--speculative-config {key} must be an integer in [1, {most}], not {number!r}"
+        )
+    return number

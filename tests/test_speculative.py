@@ -1,0 +1,233 @@
+"""Speculative decoding (n-gram drafts verified in one step): the output is the one decoding
+without speculation gives, token for token, under every request field; rejected drafts leave
+no KV block behind; bad settings are refused naming what is wrong.
+
+The tiny random model never repeats itself, so drafts would never be accepted: a logit bias
+holds its outputs to three tokens (the model still chooses among them), whose n-grams recur,
+so that each step's drafts are partly accepted and partly rejected."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from bulletserve import SamplingParams
+from bulletserve.cli import main
+from bulletserve.engine.structured import StructuredOutputs
+from bulletserve.spec.config import SpeculativeConfig
+from bulletserve.spec.ngram import NgramIndex
+from tests.server.harness import need_tokenizer, running_app, tiny_engine
+from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts, tiny_llm
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+# " red", " green", " blue" in the default model's tokenizer, which the tiny models share.
+THREE_TOKENS = {2382: 60.0, 2654: 60.0, 4461: 60.0}
+
+
+@pytest.fixture(scope="module", params=["chunked", "prefill-first"])
+def engines(request, tiny_llama_dir):
+    """The same model without and with speculation, under one policy."""
+    plain = tiny_llm(tiny_llama_dir, policy=request.param)
+    spec = tiny_llm(tiny_llama_dir, policy=request.param, speculative_config=NGRAM)
+    yield plain, spec
+    plain.close()
+    spec.close()
+
+
+def _counters(llm):
+    return llm.engine.executor.speculator.counters
+
+
+def _same(plain, spec, prompts, params):
+    before = _counters(spec).num_accepted_tokens
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for want, have in zip(expected, got, strict=True):
+        assert have.token_ids == want.token_ids
+        assert have.text == want.text and have.finish_reason == want.finish_reason
+    assert _counters(spec).num_accepted_tokens > before  # some drafts held
+    assert spec.engine.pool.allocator.num_used == 0
+    return expected, got
+
+
+def test_greedy_outputs_equal_without_speculation_one_and_many_streams(engines):
+    plain, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logit_bias=THREE_TOKENS)
+    _same(plain, spec, random_prompts(1, seed=2), params)
+    _same(plain, spec, random_prompts(12, seed=5), params)
+    counters = _counters(spec)
+    assert counters.num_accepted_tokens < counters.num_draft_tokens  # and some were rejected
+    assert counters.accepted_per_position[0] >= counters.accepted_per_position[-1]
+
+
+def test_seeded_sampling_penalties_and_logprobs_equal_draw_for_draw(engines):
+    """A seeded request draws one uniform per token either way: the same text, and the same
+    logprobs (computed in a verified row rather than a decode row: within float error)."""
+    plain, spec = engines
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, logit_bias=THREE_TOKENS,
+        logprobs=2, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+        top_p=0.9, min_tokens=30,
+    )  # fmt: skip
+    expected, got = _same(plain, spec, random_prompts(6, seed=7), params)
+    for want, have in zip(expected, got, strict=True):
+        for a, b in zip(want.logprobs, have.logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_stop_inside_an_accepted_run_ends_the_output_exactly_there(engines):
+    plain, spec = engines
+    prompts = random_prompts(6, seed=11)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias=THREE_TOKENS)
+    outputs = plain.generate(prompts, free, use_tqdm=False)
+    # A stop token and a stop string each first met well into an output.
+    stop_id = outputs[0].token_ids[20]
+    stop_text = plain.tokenizer.decode(outputs[1].token_ids[25:27])
+    for params in (
+        SamplingParams(
+            temperature=0, max_tokens=40, logit_bias=THREE_TOKENS, stop_token_ids=[stop_id]
+        ),
+        SamplingParams(temperature=0, max_tokens=40, logit_bias=THREE_TOKENS, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logit_bias=THREE_TOKENS),
+    ):
+        expected, _ = _same(plain, spec, prompts, params)
+        assert any(out.finish_reason == "stop" for out in expected) or params.max_tokens == 17
+
+
+@pytest.mark.parametrize("engines", ["chunked"], indirect=True)  # each engine compiles
+def test_a_grammar_holds_every_verified_token(engines):
+    """A regex over the three tokens' text: each position's mask is the grammar's after the
+    tokens before it, and a draft outside it is never accepted."""
+    plain, spec = engines
+    pattern = "( red| green| blue)+"
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        logit_bias=THREE_TOKENS,
+        structured_outputs=StructuredOutputs("regex", pattern),
+    )
+    _same(plain, spec, random_prompts(4, seed=13), params)
+
+
+def test_aborts_and_preemption_mid_verify_leave_no_block(tiny_llama_dir):
+    """A pool too small for every request at once: requests are preempted with drafts in
+    flight and recompute; every block comes back, and the outputs are still the plain ones."""
+    small = {
+        "kv_cache_memory": str(12 * TINY_LLAMA_BLOCK_BYTES),
+        "max_model_len": 128,
+        "chunked_prefill_size": 64,
+    }
+    plain = tiny_llm(tiny_llama_dir, **small)
+    spec = tiny_llm(tiny_llama_dir, speculative_config=NGRAM, **small)
+    try:
+        params = SamplingParams(
+            temperature=0, max_tokens=60, ignore_eos=True, logit_bias=THREE_TOKENS
+        )
+        prompts = random_prompts(10, seed=17, low=20, high=50)
+        _same(plain, spec, prompts, params)
+        assert spec.engine.book.num_preemptions > 0
+        engine = spec.engine
+        for index, prompt in enumerate(prompts[:4]):
+            engine.add_request(prompt, params, request_id=f"abort-{index}")
+        for _ in range(6):
+            engine.step()
+        assert _counters(spec).num_drafts > 0
+        for index in range(4):
+            engine.abort_request(f"abort-{index}")
+        for _ in range(200):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert engine.pool.allocator.num_used == 0
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_the_ngram_index_proposes_what_followed_the_longest_recent_match():
+    index = NgramIndex(1, 3)
+    index.extend([1, 2, 3, 9, 1, 2, 3, 4, 5, 2, 3])
+    # "2 3" ends the sequence; its last earlier occurrence was followed by 4, 5.
+    assert index.propose(2) == [4, 5]
+    index.extend([4])
+    # "2 3 4" (the longest) occurred at 5..7, followed by 5, 2, 3, 4.
+    assert index.propose(10) == [5, 2, 3, 4]
+    assert NgramIndex(2, 2).propose(3) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "draft head"),
+        ({"method": "mtp", "num_speculative_tokens": 1}, "multi-token-prediction"),
+        ({"method": "nonsense", "num_speculative_tokens": 3}, "one of ngram"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1}, "'bogus'"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "above prompt_lookup_max",
+        ),  # fmt: skip
+        ("{not json", "not JSON"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_vllms_defaults_and_the_policies_it_runs_under(tiny_llama_dir):
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    high = SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": None, "prompt_lookup_max": 4})
+    assert (high.prompt_lookup_min, high.prompt_lookup_max) == (4, 4)
+    with pytest.raises(ValueError, match="Bullet"):
+        tiny_llm(tiny_llama_dir, policy="bullet", speculative_config=NGRAM)
+    with pytest.raises(ValueError, match="async-scheduling"):
+        tiny_llm(tiny_llama_dir, async_scheduling=True, speculative_config=NGRAM)
+
+
+def test_the_server_names_the_method_and_counts_drafts_as_vllm_does(capsys):
+    need_tokenizer()
+    engine = tiny_engine(speculative_config=NGRAM)
+    try:
+        assert "speculative decoding: ngram, 4 tokens a step, n-grams of 1-3" in engine.describe()
+        with running_app(engine) as url:
+            body = {
+                "model": "tiny", "prompt": "one two three", "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True, "logit_bias": {str(t): b for t, b in THREE_TOKENS.items()},
+            }  # fmt: skip
+            reply = httpx.post(url + "/v1/completions", json=body, trust_env=False, timeout=60)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 40
+            metrics = httpx.get(url + "/metrics", trust_env=False).text
+    finally:
+        engine.shutdown()
+    values = {}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:spec_decode"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    drafts = values['vllm:spec_decode_num_drafts_total{model_name="tiny"}']
+    drafted = values['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}']
+    accepted = values['vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"}']
+    per_position = [
+        values[
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{i}"}}'
+        ]
+        for i in range(4)
+    ]
+    assert 0 < accepted <= drafted and drafts <= drafted and sum(per_position) == accepted
+    # A bad setting on the command line: one line naming it.
+    assert main(["serve", "--speculative-config", '{"method": "eagle"}']) == 2
+    assert "--speculative-config method 'eagle'" in capsys.readouterr().err
