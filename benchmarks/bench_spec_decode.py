@@ -1,0 +1,112 @@
+"""Speculative decoding at one stream: the embedded model, greedy, with n-gram drafts and
+without, on two workloads: grounded (copy a passage of one of the package's texts, a different
+passage each run) and chat-like (short open questions). Both engines run in this process, one
+request at a time, alternating, prefix caching off; per workload the median over repeats of
+output tokens/s (the whole request: prefill, then decode) and of decode tokens/s (after the
+first token), their ratios, the draft acceptance rate and mean acceptance length, and where the
+two engines' greedy outputs part (in bf16 they may, at exact ties: a verified row's logits are
+rounded after GEMMs over more rows than a decode row's).
+
+    .venv/bin/python benchmarks/bench_spec_decode.py --repeats 5 --max-tokens 128
+
+Cited in docs/benchmarks.md "Speculative decoding".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bulletserve import LLM, SamplingParams
+from bulletserve.accuracy.perplexity import TEXTS
+
+QUESTIONS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give three tips for keeping a small garden healthy.",
+    "Describe a walk through a busy market in the morning.",
+    "What makes a good team leader? Answer in a paragraph.",
+    "Plan a simple three-day trip to the mountains.",
+    "Write a letter to a friend about learning to cook.",
+]
+
+
+def grounded(run: int, chars: int) -> list[dict[str, str]]:
+    text = (TEXTS / "apache-2.0.txt").read_text()
+    start = (run * 997) % (len(text) - chars)
+    passage = text[start : start + chars]
+    return [{"role": "user", "content": "Copy this text exactly, word for word:\n\n" + passage}]
+
+
+def chat_like(run: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": QUESTIONS[run % len(QUESTIONS)]}]
+
+
+def timed(llm: LLM, messages: list[dict[str, str]], params: SamplingParams):
+    started = time.perf_counter()
+    (output,) = llm.chat(messages, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = output.outputs[0].token_ids
+    first = output.timings.first_token - output.timings.arrival
+    return len(tokens) / seconds, (len(tokens) - 1) / (seconds - first), tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--passage-chars", type=int, default=1200)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.lookup_min,
+        "prompt_lookup_max": args.lookup_max,
+    }
+    common = {"dtype": args.dtype, "max_model_len": 2048, "enable_prefix_caching": False}
+    plain = LLM(**common)
+    spec = LLM(**common, speculative_config=config)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    counters = spec.engine.executor.speculator.counters
+    print(f"n-gram: {config}; {args.repeats} runs of {args.max_tokens} tokens, one stream")
+    for name in ("grounded", "chat-like"):
+        rates: dict[str, list[tuple[float, float]]] = {"off": [], "ngram": []}
+        parted = []
+        drafted, accepted, drafts = (
+            counters.num_draft_tokens,
+            counters.num_accepted_tokens,
+            counters.num_drafts,
+        )
+        for run in range(args.repeats):
+            messages = grounded(run, args.passage_chars) if name == "grounded" else chat_like(run)
+            *off, want = timed(plain, messages, params)
+            *on, got = timed(spec, messages, params)
+            rates["off"].append(tuple(off))
+            rates["ngram"].append(tuple(on))
+            if want != got:
+                parted.append(
+                    next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+                )
+        out_off, dec_off = (statistics.median(r[i] for r in rates["off"]) for i in (0, 1))
+        out_on, dec_on = (statistics.median(r[i] for r in rates["ngram"]) for i in (0, 1))
+        drafted = counters.num_draft_tokens - drafted
+        accepted = counters.num_accepted_tokens - accepted
+        drafts = counters.num_drafts - drafts
+        print(
+            f"{name}: output tok/s off {out_off:.1f}, ngram {out_on:.1f} ({out_on / out_off:.2f}x);"
+            f" decode tok/s off {dec_off:.1f}, ngram {dec_on:.1f} ({dec_on / dec_off:.2f}x);"
+            f" acceptance {accepted / max(drafted, 1):.1%}, mean acceptance length "
+            f"{1 + accepted / max(drafts, 1):.2f}; outputs parted in {len(parted)} of "
+            f"{args.repeats} runs" + (f" (at tokens {parted})" if parted else "")
+        )
+    plain.close()
+    spec.close()
+
+
+if __name__ == "__main__":
+    main()
