@@ -11,6 +11,7 @@ import torch
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.cli import main
+from bulletserve.model.loader import dequantized_folder
 from bulletserve.model.source import default_model_file
 
 pytestmark = pytest.mark.slow
@@ -32,15 +33,16 @@ def llm_fp32() -> LLM:
 
 
 def test_greedy_output_equals_transformers_generate(llm_fp32):
-    """transformers dequantizes the GGUF file with its own code, so this also checks our
-    GGUF conversion (the q/k row permutation in particular).
-    Slow (about 20 s): transformers parses the file's metadata twice in Python and
-    dequantizes it; what it checks needs transformers' own reading of the file."""
+    """Our model code against transformers' on the real model's weights: transformers loads the
+    file as our loader dequantized it (an HF folder in the cache), so both compute from the
+    same fp32 weights. How the file is read (dequantization, the q/k row permutation) is held to
+    transformers' own GGUF reading on a tiny file by
+    `test_quantized.py::test_transformers_reads_a_gguf_file_as_we_do` (here it took 20 s: the
+    gguf package parses this file's 49K-token vocabulary in Python, twice)."""
     from transformers import AutoModelForCausalLM
 
-    gguf = default_model_file()
     reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        str(dequantized_folder(default_model_file())), dtype=torch.float32
     ).eval()
     tokenizer = llm_fp32.tokenizer
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

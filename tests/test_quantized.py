@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bulletserve import LLM, SamplingParams
 from bulletserve.engine.model_runner import ModelRunner, SeqWork
 from bulletserve.kv.pool import KVPool
 from bulletserve.model.decoder import DecoderLM, Linear, LogitsBuffer
@@ -27,7 +28,7 @@ from bulletserve.model.quantized import (
     quantized_linear_kernel,
 )
 from bulletserve.model.source import resolve_model
-from tests.tiny_models import write_llama_gguf
+from tests.tiny_models import random_prompts, write_llama_gguf
 
 # A fused q/k/v of three formats and a gate/up of one, as llama.cpp's mixes (Q4_K_M) do.
 MIXED_TYPES = {
@@ -192,6 +193,37 @@ def test_a_packed_gguf_model_computes_what_the_dequantized_one_does(kernel, mixe
         bits / sum(p.rows * p.in_features for p in parts)
     )
     _assert_packed_logits_are_dequantized_ones(packed, dequantized, kernel, 49152)
+
+
+def test_transformers_reads_a_gguf_file_as_we_do(mixed_gguf, tiny_llama_dir):
+    """transformers dequantizes a GGUF file with its own code (the gguf package's) and undoes
+    llama.cpp's q/k row permutation itself: our dequantized model of the same file makes its
+    greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(mixed_gguf.parent), gguf_file=mixed_gguf.name, dtype=torch.float32
+    ).eval()
+    llm = LLM(
+        str(mixed_gguf),
+        tokenizer=str(tiny_llama_dir),  # the file carries no tokenizer
+        dtype="float32",
+        quantization="none",
+        max_model_len=256,
+    )
+    try:
+        prompts = random_prompts(4, seed=21)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        for prompt, output in zip(
+            prompts, llm.generate(prompts, params, use_tqdm=False), strict=True
+        ):
+            with torch.inference_mode():
+                expected = reference.generate(
+                    torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
+                )
+            assert output.token_ids == expected[0, len(prompt) :].tolist()
+    finally:
+        llm.close()
 
 
 @torch.inference_mode()

@@ -127,9 +127,9 @@ def test_aborts_and_preemption_mid_verify_leave_no_block(tiny_llama_dir):
     spec = tiny_llm(tiny_llama_dir, speculative_config=NGRAM, **small)
     try:
         params = SamplingParams(
-            temperature=0, max_tokens=60, ignore_eos=True, logit_bias=THREE_TOKENS
+            temperature=0, max_tokens=40, ignore_eos=True, logit_bias=THREE_TOKENS
         )
-        prompts = random_prompts(10, seed=17, low=20, high=50)
+        prompts = random_prompts(6, seed=17, low=30, high=60)
         _same(plain, spec, prompts, params)
         assert spec.engine.book.num_preemptions > 0
         engine = spec.engine

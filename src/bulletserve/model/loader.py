@@ -195,7 +195,7 @@ def load_model(
         _check_folder(config, source.path)
         model.load_hf_weights(_safetensors_weights(source.path, model))
     else:
-        model.load_hf_weights(_safetensors_weights(_converted_gguf(source.path), model))
+        model.load_hf_weights(_safetensors_weights(dequantized_folder(source.path), model))
     model.use_fused_ops(fused_ops(dtype, device))
     with torch.inference_mode():
         float_weights = model.layer_projection_weights()
@@ -346,8 +346,9 @@ def _packed_gguf(gguf_file: Path) -> tuple[dict[str, PackedPart], dict[str, torc
     return packed, floats
 
 
-def _converted_gguf(gguf_file: Path) -> Path:
-    """Dequantize a GGUF file once into a cached HF folder (config.json + fp32 weights)."""
+def dequantized_folder(gguf_file: Path) -> Path:
+    """Dequantize a GGUF file once into a cached HF folder (config.json + fp32 weights, as
+    transformers loads them)."""
     folder = cache_dir_for(gguf_file, "weights") / "weights"
     with building_cache(folder, "model.safetensors") as to_build:
         if to_build:
