@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from bulletserve import SamplingParams
+from bulletserve.bookkeeping.record import read_step_log
 from bulletserve.cli import main
 from bulletserve.engine.structured import StructuredOutputs
 from bulletserve.spec.config import SpeculativeConfig
@@ -148,6 +149,23 @@ def test_aborts_and_preemption_mid_verify_leave_no_block(tiny_llama_dir):
     finally:
         plain.close()
         spec.close()
+
+
+def test_the_step_log_carries_each_steps_drafted_and_accepted_tokens(tiny_llama_dir, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    spec = tiny_llm(tiny_llama_dir, speculative_config=NGRAM, step_log=str(log))
+    try:
+        params = SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, logit_bias=THREE_TOKENS
+        )
+        spec.generate(random_prompts(3, seed=19), params, use_tqdm=False)
+        counters = _counters(spec)
+    finally:
+        spec.close()
+    records = read_step_log(log)
+    assert all(r.draft_tokens is not None and r.accepted_tokens is not None for r in records)
+    assert sum(r.draft_tokens for r in records) == counters.num_draft_tokens
+    assert sum(r.accepted_tokens for r in records) == counters.num_accepted_tokens > 0
 
 
 def test_the_ngram_index_proposes_what_followed_the_longest_recent_match():

@@ -24,7 +24,9 @@ class StepRecord:
     it; `units` what the step ran on. `prefill_tokens` and `decode_rows`: prompt tokens and
     decode rows computed (a fused prefill step's rows included). `state`: what ran while it
     stepped, as the performance model takes it. `runner_s`: the model's own time within the
-    step (the engine's). `layers`: a lane prefill step's layer range."""
+    step (the engine's). `layers`: a lane prefill step's layer range. `draft_tokens` and
+    `accepted_tokens`: under speculative decoding, the drafts its decode rows verified and those
+    the model accepted."""
 
     time: float
     lane: StepLane
@@ -39,6 +41,8 @@ class StepRecord:
     predicted_s: float | None = None
     runner_s: float | None = None
     layers: tuple[int, int] | None = None
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -64,6 +68,8 @@ class StepRecord:
             "predicted_s": self.predicted_s,
             "measured_s": self.measured_s,
             "runner_s": self.runner_s,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
         }
         return {k: v for k, v in record.items() if v is not None}
 
@@ -95,6 +101,8 @@ class StepRecord:
             predicted_s=data.get("predicted_s"),
             runner_s=data.get("runner_s"),
             layers=(int(layers[0]), int(layers[1])) if layers is not None else None,
+            draft_tokens=data.get("draft_tokens"),
+            accepted_tokens=data.get("accepted_tokens"),
         )
 
 

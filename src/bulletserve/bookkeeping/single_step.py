@@ -39,6 +39,7 @@ class SingleStep(Generic[E]):
     preempted: list[E] = field(default_factory=list)
     prefill: list[tuple[int, int]] = field(default_factory=list)
     decode_ctx: list[int] = field(default_factory=list)
+    draft_tokens: int = 0  # drafts its decode rows verify (speculative decoding)
 
     @property
     def lane(self) -> StepLane:
@@ -62,9 +63,11 @@ class SingleStep(Generic[E]):
         state: ExecutionState,
         measured_s: float,
         predicted_s: float | None = None,
+        accepted_tokens: int | None = None,
     ) -> StepRecord:
         """The step as the step log records it: every unit to the phases it ran; `state` is
-        its `execution_state(units)`."""
+        its `execution_state(units)`; `accepted_tokens`: of its drafts, those accepted (None:
+        it does not speculate)."""
         return StepRecord(
             time=time,
             lane=self.lane,
@@ -76,6 +79,8 @@ class SingleStep(Generic[E]):
             state=state,
             measured_s=measured_s,
             predicted_s=predicted_s,
+            draft_tokens=None if accepted_tokens is None else self.draft_tokens,
+            accepted_tokens=accepted_tokens,
         )
 
     def sampled(self) -> list[E]:
@@ -104,6 +109,7 @@ def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
         # recomputation after preemption included).
         if request.num_output_tokens and request.num_computed_tokens == request.num_tokens - 1:
             step.decode_ctx.append(request.num_tokens)
+            step.draft_tokens += num - 1
         else:
             step.prefill.append((num, request.num_computed_tokens))
     return step

@@ -77,6 +77,7 @@ class InFlight:
     ended: float
     measured: float
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    accepted: int | None = None  # of its drafts, those accepted (speculative decoding)
 
     def feeds(self, step: SingleStep[Request]) -> FedTokens | None:
         """The rows of `step` whose input token this step is drawing."""
@@ -243,6 +244,7 @@ class SingleLane:
         rejected = self.speculator.verify(
             flight.sampled, logits, parts.sampler, life, parts.clock.now()
         )
+        flight.accepted = flight.step.draft_tokens - sum(rejected.values())
         self._close(flight, rejected)
         self._log_step(flight)
         advanced = {request.request_id: request for request in flight.sampled}
@@ -273,7 +275,9 @@ class SingleLane:
                 started, ended = (self._timer.at(event) for event in flight.events)
                 measured = ended - started
             es = flight.step.execution_state(self.units)[0]
-            record = flight.step.record(ended, self.units, es, measured)
+            record = flight.step.record(
+                ended, self.units, es, measured, accepted_tokens=flight.accepted
+            )
             write_step(parts.step_log, record)
             parts.step_log.flush()
 
