@@ -8,6 +8,8 @@ so that each step's drafts are partly accepted and partly rejected."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -216,9 +218,11 @@ def test_vllms_defaults_and_the_policies_it_runs_under(tiny_llama_dir):
         tiny_llm(tiny_llama_dir, async_scheduling=True, speculative_config=NGRAM)
 
 
-def test_the_server_names_the_method_and_counts_drafts_as_vllm_does(capsys):
+def test_the_server_names_the_method_and_counts_drafts_as_vllm_does(capsys, tmp_path):
+    """The startup line, /metrics' counters, and `bullet bench`'s report of a run on the
+    grounded workload (its acceptance from the server's counters before and after)."""
     need_tokenizer()
-    engine = tiny_engine(speculative_config=NGRAM)
+    engine = tiny_engine(speculative_config=NGRAM, max_model_len=2048)
     try:
         assert "speculative decoding: ngram, 4 tokens a step, n-grams of 1-3" in engine.describe()
         with running_app(engine) as url:
@@ -229,8 +233,20 @@ def test_the_server_names_the_method_and_counts_drafts_as_vllm_does(capsys):
             reply = httpx.post(url + "/v1/completions", json=body, trust_env=False, timeout=60)
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 40
             metrics = httpx.get(url + "/metrics", trust_env=False).text
+            output = tmp_path / "bench.json"
+            argv = [
+                "bench", "--base-url", url, "--dataset", "grounded", "--num-prompts", "2",
+                "--temperature", "0", "--ignore-eos", "--output", str(output), "--no-progress",
+            ]  # fmt: skip
+            assert main(argv) == 0
+            report = capsys.readouterr().out
     finally:
         engine.shutdown()
+    assert "Speculative Decoding" in report and "Acceptance rate (%):" in report
+    (run,) = json.loads(output.read_text())["runs"]
+    spec = run["summary"]["spec_decode"]
+    assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
+    assert spec["num_drafts"] > 0
     values = {}
     for line in metrics.splitlines():
         if line.startswith("vllm:spec_decode"):

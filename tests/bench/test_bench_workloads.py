@@ -13,6 +13,7 @@ from bulletserve.bench.datasets import (
     DatasetError,
     RandomLengths,
     dataset_family,
+    load_lengths,
     load_workload,
 )
 from bulletserve.bench.lengths import (
@@ -184,3 +185,17 @@ def test_reads_the_vidur_azure_trace(tokenizer):
     workload = load_workload(f"azure:{TRACES / 'splitwise_code.csv'}", 50, tokenizer, 0, 1024)
     assert len(workload) == 50
     assert all(w.timestamp is not None and w.input_len + w.output_len <= 1024 for w in workload)
+
+
+def test_grounded_requests_copy_real_passages_and_fit_the_context(tokenizer):
+    """Each prompt holds a passage of the shipped texts or the package's code; it asks for as
+    many tokens as the passage has; the same seed gives the same workload."""
+    workload = load_workload("grounded", 24, tokenizer, seed=3, max_model_len=1024)
+    assert workload == load_workload("grounded", 24, tokenizer, seed=3, max_model_len=1024)
+    assert any("```python" in w.prompt for w in workload)
+    assert any("Copy the following text exactly" in w.prompt for w in workload)
+    for w in workload:
+        assert w.input_len == len(tokenizer.encode(w.prompt, add_special_tokens=False))
+        assert w.output_len < w.input_len and w.input_len + w.output_len <= 1024
+    with pytest.raises(DatasetError, match="needs a tokenizer"):
+        load_lengths("grounded", 4)

@@ -4,7 +4,8 @@ Dataset specs: `sharegpt:PATH` (ShareGPT_V3 JSON: first human turn as prompt, th
 count as output length), `azure:PATH` (Azure LLM inference trace CSV: ContextTokens,
 GeneratedTokens and optionally TIMESTAMP; vidur's `num_prefill_tokens, num_decode_tokens,
 arrived_at` columns are read too), `random`, the synthetic presets in `lengths`, and the
-workloads with shared prefixes in `shared` (`shared-prefix`, `multi-turn`).
+workloads with shared prefixes in `shared` (`shared-prefix`, `multi-turn`), and `grounded`
+(copy, quote, rewrite or summarize a passage of real text or code: `grounded`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from bulletserve.bench.grounded import GROUNDED, grounded_requests
 from bulletserve.bench.lengths import (
     SHAREGPT_MAX_INPUT,
     SHAREGPT_MAX_TOTAL,
@@ -96,6 +98,11 @@ def load_workload(
         return _sharegpt_file(Path(path), num_prompts, builder, rng, max_model_len)
     if kind in SHARED_PREFIX_KINDS and not path:
         return _shared_prefix_requests(kind, num_prompts, builder, seed, max_model_len)
+    if kind == GROUNDED and not path:
+        return [
+            WorkloadRequest(r.prompt, r.input_len, r.output_len)
+            for r in grounded_requests(num_prompts, tokenizer, seed, max_model_len)
+        ]
     lengths = load_lengths(spec, num_prompts, seed, max_model_len, random_lengths)
     return [WorkloadRequest(builder.build(i), i, o, t) for i, o, t in lengths]
 
@@ -116,6 +123,8 @@ def load_lengths(
     rng = np.random.default_rng(seed)
     if kind == "sharegpt" and path:
         raise DatasetError("sharegpt:PATH needs a tokenizer to count lengths; use sharegpt-like")
+    if kind == GROUNDED:
+        raise DatasetError("grounded's lengths are its passages' tokens: it needs a tokenizer")
     if kind == "azure" and path:
         rows = _azure_file(Path(path), num_prompts)
         pairs = [(i, o) for i, o, _ in rows]
@@ -136,7 +145,7 @@ def load_lengths(
     else:
         raise DatasetError(
             f"unknown dataset {spec!r}; expected sharegpt:PATH, azure:PATH, random, "
-            + ", ".join(PRESETS + SHARED_PREFIX_KINDS)
+            + ", ".join((*PRESETS, *SHARED_PREFIX_KINDS, GROUNDED))
         )
     if max_model_len and kind != "random":
         pairs = fit_to_context(pairs, max_model_len)

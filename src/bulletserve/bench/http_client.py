@@ -199,3 +199,28 @@ def _output_piece(event: dict, endpoint: str) -> str | None:
     if content is None or (content == "" and "role" in delta):
         return None
     return content
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+async def spec_decode_counters(
+    client: httpx.AsyncClient, target: Target
+) -> dict[str, float] | None:
+    """The server's speculative decoding counters (`vllm:spec_decode_*_total` on /metrics, as
+    vLLM and bulletserve export them), summed over its labels; None where it exports none."""
+    try:
+        response = await client.get(
+            target.base_url.rstrip("/") + "/metrics", headers=target.headers
+        )
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    counters: dict[str, float] = {}
+    for line in response.text.splitlines():
+        for name in SPEC_COUNTERS:
+            prefix = f"vllm:spec_decode_{name}_total"
+            if line.startswith(prefix) and line[len(prefix) : len(prefix) + 1] in ("{", " "):
+                counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters if len(counters) == len(SPEC_COUNTERS) else None

@@ -13,7 +13,12 @@ from tqdm import tqdm
 
 from bulletserve.bench.classes import WorkloadClass
 from bulletserve.bench.datasets import WorkloadRequest
-from bulletserve.bench.http_client import Target, send_request
+from bulletserve.bench.http_client import (
+    SPEC_COUNTERS,
+    Target,
+    send_request,
+    spec_decode_counters,
+)
 from bulletserve.bench.records import RequestRecord, RunResult
 from bulletserve.bench.serving_metrics import summarize
 from bulletserve.sched.slo import SLO
@@ -51,6 +56,7 @@ async def run_level(
     class_of = list(classes) or [None] * len(records)
     for record, workload_class in zip(records, class_of, strict=True):
         record.slo_class = workload_class.name if workload_class else None
+    counted = await spec_decode_counters(client, target)
     origin = time.perf_counter()
 
     async def one(
@@ -72,14 +78,32 @@ async def run_level(
     finally:
         bar.close()
     duration = time.perf_counter() - origin
+    summary = summarize(records, duration, slo, goodput_ms, _distinct(classes))
+    after = await spec_decode_counters(client, target)
+    if counted is not None and after is not None:
+        summary["spec_decode"] = spec_decode_summary(counted, after)
     return RunResult(
         request_rate=level.request_rate,
         burstiness=level.burstiness,
         max_concurrency=level.max_concurrency,
         duration_s=duration,
-        summary=summarize(records, duration, slo, goodput_ms, _distinct(classes)),
+        summary=summary,
         requests=records,
     )
+
+
+def spec_decode_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A run's speculative decoding from the server's counters before and after it (the
+    server's other traffic in that time included): drafts, drafted and accepted tokens, the
+    acceptance rate and the mean acceptance length (tokens a verified row made)."""
+    drafts, drafted, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def _distinct(classes: Sequence[WorkloadClass]) -> list[WorkloadClass]:

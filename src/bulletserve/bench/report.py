@@ -111,6 +111,15 @@ def summary_table(run: RunResult, simulated: bool = False) -> str:
         row("SLO attainment (%):", None if attained is None else 100.0 * attained)
         row("P90 normalized TTFT (ms/token):", slo["p90_norm_ttft_ms"])
         row("P90 TPOT (ms):", slo["p90_tpot_ms"])
+    if "spec_decode" in s:
+        spec = s["spec_decode"]
+        lines.append("Speculative Decoding".center(_WIDTH, "-"))
+        rate = spec["acceptance_rate"]
+        row("Acceptance rate (%):", None if rate is None else 100.0 * rate)
+        row("Acceptance length:", spec["mean_acceptance_length"])
+        row("Drafts:", spec["num_drafts"])
+        row("Draft tokens:", spec["num_draft_tokens"])
+        row("Accepted tokens:", spec["num_accepted_tokens"])
     for error, count in s["errors"].items():
         lines.append(f"  {count} x {error}")
     lines.append("=" * _WIDTH)

@@ -81,7 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         default="sharegpt-like",
         help="sharegpt:PATH, azure:PATH, random, sharegpt-like, azure-code-like, "
         "arxiv-sum-like, or with shared prefixes shared-prefix (a few long system prompts) and "
-        "multi-turn (conversations resending their history) (default sharegpt-like)",
+        "multi-turn (conversations resending their history), or grounded (copy, quote, "
+        "rewrite or summarize a passage of shipped text or code: where speculative decoding's "
+        "drafts hold) (default sharegpt-like)",
     )
     data.add_argument("--num-prompts", type=int, default=200)
     data.add_argument(
