@@ -9,6 +9,9 @@ rounded after GEMMs over more rows than a decode row's).
 
     .venv/bin/python benchmarks/bench_spec_decode.py --repeats 5 --max-tokens 128
 
+`--model FOLDER --load-format dummy` runs a model of that folder's shape with random weights,
+whose drafts are (almost) never accepted: what speculation costs where it never pays.
+
 Cited in docs/benchmarks.md "Speculative decoding".
 """
 
@@ -61,6 +64,8 @@ def main() -> None:
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--load-format", default="auto")
     args = parser.parse_args()
     config = {
         "method": "ngram",
@@ -68,7 +73,13 @@ def main() -> None:
         "prompt_lookup_min": args.lookup_min,
         "prompt_lookup_max": args.lookup_max,
     }
-    common = {"dtype": args.dtype, "max_model_len": 2048, "enable_prefix_caching": False}
+    common = {
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": args.dtype,
+        "max_model_len": 2048,
+        "enable_prefix_caching": False,
+    }
     plain = LLM(**common)
     spec = LLM(**common, speculative_config=config)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -101,7 +112,8 @@ def main() -> None:
             f"{name}: output tok/s off {out_off:.1f}, ngram {out_on:.1f} ({out_on / out_off:.2f}x);"
             f" decode tok/s off {dec_off:.1f}, ngram {dec_on:.1f} ({dec_on / dec_off:.2f}x);"
             f" acceptance {accepted / max(drafted, 1):.1%}, mean acceptance length "
-            f"{1 + accepted / max(drafts, 1):.2f}; outputs parted in {len(parted)} of "
+            f"{1 + accepted / max(drafts, 1):.2f} ({drafts} rows drafted {drafted} tokens); "
+            f"outputs parted in {len(parted)} of "
             f"{args.repeats} runs" + (f" (at tokens {parted})" if parted else "")
         )
     plain.close()
