@@ -84,6 +84,21 @@ def test_seeded_sampling_penalties_and_logprobs_equal_draw_for_draw(engines):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def test_n_sequences_and_prompt_logprobs_equal_without_speculation(engines):
+    plain, spec = engines
+    params = SamplingParams(
+        n=2, temperature=0.8, seed=5, max_tokens=30, ignore_eos=True, logit_bias=THREE_TOKENS,
+        prompt_logprobs=2,
+    )  # fmt: skip
+    prompts = random_prompts(3, seed=29)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for want, have in zip(expected, got, strict=True):
+        assert [s.token_ids for s in have.outputs] == [s.token_ids for s in want.outputs]
+        for a, b in zip(want.prompt_logprobs[1:], have.prompt_logprobs[1:], strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
 def test_a_stop_inside_an_accepted_run_ends_the_output_exactly_there(engines):
     plain, spec = engines
     prompts = random_prompts(6, seed=11)
@@ -150,6 +165,27 @@ def test_aborts_and_preemption_mid_verify_leave_no_block(tiny_llama_dir):
         assert engine.pool.allocator.num_used == 0
     finally:
         plain.close()
+        spec.close()
+
+
+@pytest.mark.parametrize("engines", ["chunked"], indirect=True)  # each start spawns a rank
+def test_two_tensor_parallel_ranks_verify_as_one_does(engines, tiny_llama_dir):
+    """Under tensor parallelism the other rank runs each verified row's positions too (the
+    works it is sent carry their logits rows): the outputs of one rank without speculation."""
+    plain, _ = engines
+    spec = tiny_llm(
+        tiny_llama_dir,
+        policy=plain.engine.config.policy,
+        tensor_parallel_size=2,
+        kv_cache_memory="64MiB",
+        speculative_config=NGRAM,
+    )
+    try:
+        params = SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, logit_bias=THREE_TOKENS
+        )
+        _same(plain, spec, random_prompts(5, seed=23), params)
+    finally:
         spec.close()
 
 
