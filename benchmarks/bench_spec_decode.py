@@ -88,11 +88,7 @@ def main() -> None:
     for name in ("grounded", "chat-like"):
         rates: dict[str, list[tuple[float, float]]] = {"off": [], "ngram": []}
         parted = []
-        drafted, accepted, drafts = (
-            counters.num_draft_tokens,
-            counters.num_accepted_tokens,
-            counters.num_drafts,
-        )
+        before = counters.copy()
         for run in range(args.repeats):
             messages = grounded(run, args.passage_chars) if name == "grounded" else chat_like(run)
             *off, want = timed(plain, messages, params)
@@ -105,14 +101,13 @@ def main() -> None:
                 )
         out_off, dec_off = (statistics.median(r[i] for r in rates["off"]) for i in (0, 1))
         out_on, dec_on = (statistics.median(r[i] for r in rates["ngram"]) for i in (0, 1))
-        drafted = counters.num_draft_tokens - drafted
-        accepted = counters.num_accepted_tokens - accepted
-        drafts = counters.num_drafts - drafts
+        run = counters - before
         print(
             f"{name}: output tok/s off {out_off:.1f}, ngram {out_on:.1f} ({out_on / out_off:.2f}x);"
             f" decode tok/s off {dec_off:.1f}, ngram {dec_on:.1f} ({dec_on / dec_off:.2f}x);"
-            f" acceptance {accepted / max(drafted, 1):.1%}, mean acceptance length "
-            f"{1 + accepted / max(drafts, 1):.2f} ({drafts} rows drafted {drafted} tokens); "
+            f" acceptance {run.acceptance_rate or 0:.1%}, mean acceptance length "
+            f"{run.mean_acceptance_length or 1:.2f} ({run.num_drafts} rows drafted "
+            f"{run.num_draft_tokens} tokens); "
             f"outputs parted in {len(parted)} of "
             f"{args.repeats} runs" + (f" (at tokens {parted})" if parted else "")
         )

@@ -56,7 +56,7 @@ class GroundedRequest:
 
 
 def _sources() -> tuple[list[str], list[str]]:
-    """(prose, code): the shipped texts and the package's Python modules, as lines."""
+    """(prose, code): the shipped texts and the package's Python modules of over 40 lines."""
     prose = [(TEXTS / name).read_text() for name in ("apache-2.0.txt", "gpl-3.0.txt")]
     code = [path.read_text() for path in sorted(PACKAGE.rglob("*.py"))]
     return prose, [text for text in code if text.count("\n") > 40]

@@ -19,6 +19,7 @@ import httpx
 
 from bulletserve.bench.classes import WorkloadClass
 from bulletserve.bench.records import RequestRecord
+from bulletserve.spec.counters import SpecCounters
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -204,9 +205,7 @@ def _output_piece(event: dict, endpoint: str) -> str | None:
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
-async def spec_decode_counters(
-    client: httpx.AsyncClient, target: Target
-) -> dict[str, float] | None:
+async def spec_decode_counters(client: httpx.AsyncClient, target: Target) -> SpecCounters | None:
     """The server's speculative decoding counters (`vllm:spec_decode_*_total` on /metrics, as
     vLLM and bulletserve export them), summed over its labels; None where it exports none."""
     try:
@@ -217,10 +216,10 @@ async def spec_decode_counters(
         return None
     if response.status_code != 200:
         return None
-    counters: dict[str, float] = {}
+    counters: dict[str, int] = {}
     for line in response.text.splitlines():
         for name in SPEC_COUNTERS:
             prefix = f"vllm:spec_decode_{name}_total"
             if line.startswith(prefix) and line[len(prefix) : len(prefix) + 1] in ("{", " "):
-                counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counters if len(counters) == len(SPEC_COUNTERS) else None
+                counters[name] = counters.get(name, 0) + round(float(line.rsplit(" ", 1)[1]))
+    return SpecCounters(**counters) if len(counters) == len(SPEC_COUNTERS) else None

@@ -13,15 +13,11 @@ from tqdm import tqdm
 
 from bulletserve.bench.classes import WorkloadClass
 from bulletserve.bench.datasets import WorkloadRequest
-from bulletserve.bench.http_client import (
-    SPEC_COUNTERS,
-    Target,
-    send_request,
-    spec_decode_counters,
-)
+from bulletserve.bench.http_client import Target, send_request, spec_decode_counters
 from bulletserve.bench.records import RequestRecord, RunResult
 from bulletserve.bench.serving_metrics import summarize
 from bulletserve.sched.slo import SLO
+from bulletserve.spec.counters import SpecCounters
 
 
 @dataclass(frozen=True)
@@ -92,17 +88,17 @@ async def run_level(
     )
 
 
-def spec_decode_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def spec_decode_summary(before: SpecCounters, after: SpecCounters) -> dict[str, float | None]:
     """A run's speculative decoding from the server's counters before and after it (the
     server's other traffic in that time included): drafts, drafted and accepted tokens, the
     acceptance rate and the mean acceptance length (tokens a verified row made)."""
-    drafts, drafted, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
+    run = after - before
     return {
-        "num_drafts": drafts,
-        "num_draft_tokens": drafted,
-        "num_accepted_tokens": accepted,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "num_drafts": run.num_drafts,
+        "num_draft_tokens": run.num_draft_tokens,
+        "num_accepted_tokens": run.num_accepted_tokens,
+        "acceptance_rate": run.acceptance_rate,
+        "mean_acceptance_length": run.mean_acceptance_length,
     }
 
 

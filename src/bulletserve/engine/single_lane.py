@@ -218,11 +218,12 @@ class SingleLane:
         pending in their requests until they are read back. A request that ended meanwhile
         (its stop found in the step before, an abort) is left alone."""
         parts = self.parts
+        dropped = rejected or {}
         end_single_step(
             parts.book,
             flight.step,
             lambda request: request.is_finished,
-            (lambda request: rejected.get(request.request_id, 0)) if rejected else lambda _: 0,
+            lambda request: dropped.get(request.request_id, 0),
         )
         for (request, _), work in zip(flight.step.batch, flight.works, strict=True):
             if request.is_finished:

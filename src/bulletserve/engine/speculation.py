@@ -16,9 +16,6 @@ for draw (a seeded request consumes one uniform per token either way), logprobs 
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
 
 from bulletserve.engine.life import RequestLife
@@ -27,8 +24,6 @@ from bulletserve.engine.sampler import Sampler
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
 from bulletserve.spec.ngram import NgramIndex
-
-logger = logging.getLogger(__name__)
 
 
 class Speculator:
@@ -43,7 +38,6 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Set each decoding request's drafts (none for a prefilling one), no more than its
         max_tokens and the context length leave room for after the token its row draws."""
-        started = time.perf_counter()
         live = set()
         for request in running:
             live.add(request.request_id)
@@ -72,7 +66,6 @@ class Speculator:
             request.draft_token_ids = index.propose(room)
         for request_id in [r for r in self._indexes if r not in live]:
             del self._indexes[request_id]
-        self.counters.propose_s += time.perf_counter() - started
 
     @torch.inference_mode()
     def verify(
@@ -94,20 +87,22 @@ class Speculator:
             while end < len(rows) and rows[end] is request:
                 end += 1
             runs.append((request, row, request.draft_token_ids[: end - row - 1]))
-        rejected = {request.request_id: len(drafts) for request, _, drafts in runs if drafts}
         counters = self.counters
-        for _, _, drafts in runs:
+        rejected: dict[str, int] = {}
+        for request, _, drafts in runs:
             if drafts:
+                rejected[request.request_id] = len(drafts)
                 counters.num_drafts += 1
                 counters.num_draft_tokens += len(drafts)
         active = [run for run in runs if not run[0].is_finished]
         position = 0
         while active:
-            index = torch.tensor([first + position for _, first, _ in active], device=logits.device)
             requests = [request for request, _, _ in active]
-            draw = sampler.draw(
-                logits.index_select(0, index), requests, [r.stop_ids for r in requests]
-            )
+            chosen = logits  # every row, each its own request's (no drafts): no copy
+            if len(active) < logits.shape[0]:
+                rows_now = [first + position for _, first, _ in active]
+                chosen = logits.index_select(0, torch.tensor(rows_now, device=logits.device))
+            draw = sampler.draw(chosen, requests, [r.stop_ids for r in requests])
             tokens, logprobs = draw.read()
             going = []
             for (request, first, drafts), token, logprob in zip(

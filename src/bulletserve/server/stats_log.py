@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from bulletserve.engine.client import EngineClient, EngineStats
 from bulletserve.server.settings import STATS_INTERVAL_S
+from bulletserve.spec.counters import SpecCounters
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +47,8 @@ class StatsLog:
             f"{hit_rate:.1%}"
         )
         if stats.spec is not None:
-            drafts = stats.spec.num_drafts - (last.spec.num_drafts if last.spec else 0)
-            drafted = stats.spec.num_draft_tokens - (last.spec.num_draft_tokens if last.spec else 0)
-            accepted = stats.spec.num_accepted_tokens - (
-                last.spec.num_accepted_tokens if last.spec else 0
-            )
-            rate = accepted / drafted if drafted else 0.0
-            length = 1 + accepted / drafts if drafts else 1.0
+            spec = stats.spec - (last.spec or SpecCounters())
+            rate, length = spec.acceptance_rate or 0.0, spec.mean_acceptance_length or 1.0
             text += f", draft acceptance rate: {rate:.1%}, mean acceptance length: {length:.2f}"
         return text
 

@@ -61,13 +61,14 @@ class SpeculativeConfig:
                 f"--speculative-config key {unknown[0]!r} is not taken with method {method!r} "
                 f"(taken: {', '.join(sorted(known))})"
             )
-        tokens = _count(value, "num_speculative_tokens", None, MAX_SPECULATIVE_TOKENS)
+        tokens = _count("num_speculative_tokens", value.get("num_speculative_tokens"))
+        # vLLM's: a bound not given is the other's, and both 5 where neither is.
         low = value.get("prompt_lookup_min")
         high = value.get("prompt_lookup_max")
         if low is None and high is None:
             low = high = DEFAULT_LOOKUP
-        low = _count({"prompt_lookup_min": high if low is None else low}, "prompt_lookup_min")
-        high = _count({"prompt_lookup_max": low if high is None else high}, "prompt_lookup_max")
+        low = _count("prompt_lookup_min", high if low is None else low, MAX_LOOKUP)
+        high = _count("prompt_lookup_max", low if high is None else high, MAX_LOOKUP)
         if low > high:
             raise ValueError(
                 f"--speculative-config prompt_lookup_min ({low}) is above prompt_lookup_max "
@@ -83,10 +84,8 @@ class SpeculativeConfig:
         )
 
 
-def _count(
-    value: dict[str, Any], key: str, default: int | None = None, most: int = MAX_LOOKUP
-) -> int:
-    number = value.get(key, default)
+def _count(key: str, number: Any, most: int = MAX_SPECULATIVE_TOKENS) -> int:
+    """`number` as the setting `key`: an integer in [1, most]; ValueError naming it."""
     if number is None:
         raise ValueError(f"--speculative-config needs {key!r}")
     if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= most:

@@ -2,41 +2,42 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
 @dataclass
 class SpecCounters:
     """Since start: verified rows that carried drafts, their drafted tokens, the accepted ones
-    (also per draft position), and the proposer's seconds."""
+    (also per draft position). Two readings' difference (`-`) is what happened between them;
+    replicas' counters add (`+`)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    propose_s: float = 0.0
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
+        return self._combined(other, operator.add)
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        return self._combined(other, operator.sub)
+
+    def _combined(self, other: SpecCounters, op: Callable[[int, int], int]) -> SpecCounters:
         width = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
         theirs = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
         return SpecCounters(
-            self.num_drafts + other.num_drafts,
-            self.num_draft_tokens + other.num_draft_tokens,
-            self.num_accepted_tokens + other.num_accepted_tokens,
-            [a + b for a, b in zip(mine, theirs, strict=True)],
-            self.propose_s + other.propose_s,
+            op(self.num_drafts, other.num_drafts),
+            op(self.num_draft_tokens, other.num_draft_tokens),
+            op(self.num_accepted_tokens, other.num_accepted_tokens),
+            [op(a, b) for a, b in zip(mine, theirs, strict=True)],
         )
 
     def copy(self) -> SpecCounters:
         """The counters now (the engine's go on counting)."""
-        return SpecCounters(
-            self.num_drafts,
-            self.num_draft_tokens,
-            self.num_accepted_tokens,
-            list(self.accepted_per_position),
-            self.propose_s,
-        )
+        return self + SpecCounters()
 
     @property
     def acceptance_rate(self) -> float | None:
