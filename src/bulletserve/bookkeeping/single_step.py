@@ -39,7 +39,12 @@ class SingleStep(Generic[E]):
     preempted: list[E] = field(default_factory=list)
     prefill: list[tuple[int, int]] = field(default_factory=list)
     decode_ctx: list[int] = field(default_factory=list)
-    draft_tokens: int = 0  # drafts its decode rows verify (speculative decoding)
+    decode_drafts: list[int] = field(default_factory=list)  # each decode row's drafts to verify
+
+    @property
+    def draft_tokens(self) -> int:
+        """Drafts its decode rows verify (speculative decoding)."""
+        return sum(self.decode_drafts)
 
     @property
     def lane(self) -> StepLane:
@@ -54,7 +59,7 @@ class SingleStep(Generic[E]):
     def execution_state(self, units: int) -> tuple[ExecutionState, str]:
         """The step on every unit as the performance model takes it, and the phase whose time
         it takes (`perf.execution_state.fused_step_state`)."""
-        return fused_step_state(self.prefill, self.decode_ctx, units)
+        return fused_step_state(self.prefill, self.decode_ctx, units, self.decode_drafts)
 
     def record(
         self,
@@ -109,7 +114,7 @@ def begin_single_step(book: RequestBook[E], plan: StepPlan) -> SingleStep[E]:
         # recomputation after preemption included).
         if request.num_output_tokens and request.num_computed_tokens == request.num_tokens - 1:
             step.decode_ctx.append(request.num_tokens)
-            step.draft_tokens += num - 1
+            step.decode_drafts.append(num - 1)
         else:
             step.prefill.append((num, request.num_computed_tokens))
     return step

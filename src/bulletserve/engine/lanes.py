@@ -29,15 +29,13 @@ from bulletserve.bookkeeping.record import Lane, write_step
 from bulletserve.engine.config import HANDOFF_WAIT_S
 from bulletserve.engine.model_runner import PrefillPass, SeqWork, request_work
 from bulletserve.engine.parts import EngineParts
+from bulletserve.engine.pricing import hardware_profile, perf_model
 from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.sampler import Sampler
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
-from bulletserve.partition.measure import DTYPE_NAMES, QUICK, measure_device
-from bulletserve.perf.hardware import HardwareProfile
-from bulletserve.perf.model import PerfModel
 from bulletserve.sched import make_policy
 from bulletserve.sched.bullet import (
     BulletPlan,
@@ -76,7 +74,7 @@ class Lanes:
         # On a CPU, the thread that built the engine (create_engine makes it) and runs every
         # multi-threaded lane step; the lane threads themselves never lead an OpenMP team.
         self._team = team
-        self.policy = self._make_policy()
+        self.policy = self._make_policy(parts)
         self._state = threading.Condition(threading.RLock())
         self._outputs: queue.Queue[RequestOutput] = queue.Queue()
         self._unhanded = 0  # outputs emitted and not yet reported handed off
@@ -100,25 +98,10 @@ class Lanes:
         # Each lane's logits, in memory of its own reused from step to step.
         self._logits = {"prefill": LogitsBuffer(), "decode": LogitsBuffer()}
 
-    def _make_policy(self) -> BulletPolicy:
+    def _make_policy(self, parts: EngineParts) -> BulletPolicy:
         self.units: Units = lane_units(self.device, rank_threads(self.config), self._team)
-        profile = self._hardware_profile()
-        ranks = self.config.tensor_parallel_size
-        priced = ranks == 1 or ranks in profile.calibration.all_reduce_s
-        if not priced:
-            logger.warning(
-                "the hardware profile has no all-reduce times for %d ranks: step predictions "
-                "leave the collectives to the online correction",
-                ranks,
-            )
-        self.perf = PerfModel(
-            self.model_config,
-            profile,
-            DTYPE_NAMES[self.dtype],
-            tensor_parallel_size=ranks,
-            price_collectives=priced,
-            weight_bits=self._weight_bits,
-        )
+        profile = hardware_profile(self.config.hardware_profile, self.units, self.dtype)
+        self.perf = perf_model(parts, profile)
         config = self.config
         if isinstance(self.units, WholeGPU):  # one stream for both lanes: nothing to split
             config = dataclasses.replace(config, partition="none")
@@ -139,17 +122,6 @@ class Lanes:
             prefill = self.policy.static_split.prefill
             return sorted({total, prefill, total - prefill} - {0})
         return self.policy.units.counts()
-
-    def _hardware_profile(self) -> HardwareProfile:
-        if self.config.hardware_profile:
-            return HardwareProfile.load(self.config.hardware_profile)
-        logger.warning(
-            "no --hardware-profile: measuring peak GEMM rate and bandwidth now (a few seconds); "
-            "`bullet profile` gives the scheduler calibrated predictions"
-        )
-        return measure_device(self.units, QUICK, "measured-at-start", logger.info, self.dtype)
-
-    # ---- the executor interface -------------------------------------------------------------
 
     def wake(self) -> None:
         with self._state:

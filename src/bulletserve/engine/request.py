@@ -90,6 +90,7 @@ class Request:
     # Tokens a proposer drafted to follow its output (speculative decoding), verified by its
     # next decode row: never part of its tokens until the model accepts them.
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_acceptance: float = 0.0  # the chance each holds given the one before did
 
     def __post_init__(self) -> None:
         self.prefix_root = salt_root(self.params.cache_salt)
@@ -158,6 +159,7 @@ class Request:
             first_token_time=self.timings.first_token,
             num_output_tokens=self.num_output_tokens,
             num_draft_tokens=len(self.draft_token_ids),
+            draft_acceptance=self.draft_acceptance,
         )
 
 

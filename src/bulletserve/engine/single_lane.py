@@ -30,12 +30,16 @@ from bulletserve.bookkeeping.single_step import (
 )
 from bulletserve.engine.model_runner import FedTokens, SeqWork, request_work
 from bulletserve.engine.parts import EngineParts
+from bulletserve.engine.pricing import hardware_profile, perf_model
 from bulletserve.engine.request import Request, RequestOutput, RequestState
 from bulletserve.engine.sampler import Draw
 from bulletserve.engine.speculation import Speculator
 from bulletserve.model.decoder import LogitsBuffer
+from bulletserve.partition import lane_units
+from bulletserve.perf.model import PerfModel
 from bulletserve.sched import make_policy
 from bulletserve.sched.base import Policy, SchedulerSnapshot, StepPlan
+from bulletserve.sched.drafts import DraftRule
 from bulletserve.spec.counters import SpecCounters
 
 logger = logging.getLogger(__name__)
@@ -97,7 +101,6 @@ class InFlight:
 class SingleLane:
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
-        self.policy: Policy = make_policy(parts.config)
         self._logits = LogitsBuffer()
         self.async_scheduling = parts.config.async_scheduling
         self._in_flight: InFlight | None = None
@@ -115,8 +118,20 @@ class SingleLane:
             logger.info("captured decode graphs in %.1f s", time.perf_counter() - started)
         self._timer = DeviceTimer(parts.clock) if parts.step_log and device.type == "cuda" else None
         self.speculator = None
-        if parts.config.speculative_config is not None:
-            self.speculator = Speculator(parts.config.speculative_config, parts.life.max_model_len)
+        # Under speculative decoding the policy prices drafts by the performance model, its
+        # online corrections fed each step's measured time.
+        self.perf: PerfModel | None = None
+        drafts = None
+        speculation = parts.config.speculative_config
+        if speculation is not None:
+            self.speculator = Speculator(speculation, parts.life.max_model_len)
+        if speculation is not None and speculation.adaptive:
+            units = lane_units(device, torch.get_num_threads())
+            self.perf = perf_model(
+                parts, hardware_profile(parts.config.hardware_profile, units, parts.dtype)
+            )
+            drafts = DraftRule.from_perf(self.perf, self.units)
+        self.policy: Policy = make_policy(parts.config, drafts=drafts)
 
     def thread_counts(self) -> list[int]:
         return [torch.get_num_threads()]
@@ -246,6 +261,8 @@ class SingleLane:
             flight.sampled, logits, parts.sampler, life, parts.clock.now()
         )
         flight.accepted = flight.step.draft_tokens - sum(rejected.values())
+        if self.perf is not None:
+            self.perf.observe(*flight.step.execution_state(self.units), flight.measured)
         self._close(flight, rejected)
         self._log_step(flight)
         advanced = {request.request_id: request for request in flight.sampled}

@@ -21,9 +21,18 @@ import torch
 from bulletserve.engine.life import RequestLife
 from bulletserve.engine.request import Request
 from bulletserve.engine.sampler import Sampler
+from bulletserve.sched.drafts import AcceptanceTally
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
 from bulletserve.spec.ngram import NgramIndex
+
+
+class _Drafting:
+    """A request's drafting state: its n-gram index and how its verified drafts fared."""
+
+    def __init__(self, index: NgramIndex) -> None:
+        self.index = index
+        self.tally = AcceptanceTally()
 
 
 class Speculator:
@@ -32,12 +41,16 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self._indexes: dict[str, NgramIndex] = {}
+        self._drafting: dict[str, _Drafting] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._tally = AcceptanceTally()  # every request's
 
     def propose(self, running: list[Request]) -> None:
         """Set each decoding request's drafts (none for a prefilling one), no more than its
-        max_tokens and the context length leave room for after the token its row draws."""
+        max_tokens and the context length leave room for after the token its row draws, and
+        the chance that each holds (`sched.drafts.acceptance_estimate`)."""
+        self._tally.fade()
+        prior = self._tally.estimate()
         live = set()
         for request in running:
             live.add(request.request_id)
@@ -54,18 +67,20 @@ class Speculator:
             )
             if room <= 0:
                 continue
-            index = self._indexes.get(request.request_id)
-            if index is None:
-                index = self._indexes[request.request_id] = NgramIndex(
-                    self.config.prompt_lookup_min, self.config.prompt_lookup_max
-                )
+            drafting = self._drafting.get(request.request_id)
+            if drafting is None:
+                index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
                 index.extend(request.prompt_token_ids)
+                drafting = self._drafting[request.request_id] = _Drafting(index)
+            index = drafting.index
             index.extend(
                 request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :]
             )
             request.draft_token_ids = index.propose(room)
-        for request_id in [r for r in self._indexes if r not in live]:
-            del self._indexes[request_id]
+            drafting.tally.fade()
+            request.draft_acceptance = drafting.tally.estimate(prior)
+        for request_id in [r for r in self._drafting if r not in live]:
+            del self._drafting[request_id]
 
     @torch.inference_mode()
     def verify(
@@ -109,7 +124,14 @@ class Speculator:
                 active, tokens, logprobs, strict=True
             ):
                 life.append_token(request, token, logprob, now)
-                if request.is_finished or position >= len(drafts) or token != drafts[position]:
+                if request.is_finished or position >= len(drafts):
+                    continue
+                held = token == drafts[position]
+                self._tally.add(held, not held)
+                drafting = self._drafting.get(request.request_id)
+                if drafting is not None:
+                    drafting.tally.add(held, not held)
+                if not held:
                     continue
                 rejected[request.request_id] -= 1
                 counters.num_accepted_tokens += 1

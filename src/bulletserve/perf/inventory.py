@@ -138,10 +138,16 @@ def prefill_counts(lens: tuple[int, ...], cached: tuple[int, ...]) -> Counts:
     return (float(sum(lens)), float(pairs), float(sum(lens) + sum(cached)), float(len(lens)))
 
 
-def decode_counts(ctx: tuple[int, ...]) -> Counts:
-    """(tokens, pairs, kv_read, seqs) of one decode step at contexts `ctx`."""
+def decode_counts(ctx: tuple[int, ...], drafts: tuple[int, ...] = ()) -> Counts:
+    """(tokens, pairs, kv_read, seqs) of one decode step at contexts `ctx`; with `drafts`,
+    row i computes 1 + drafts[i] tokens, each attending to the ones before it and each with its
+    logits (the `seqs` count is the LM head's rows), its context read once."""
     total = float(sum(ctx))
-    return (float(len(ctx)), total, total, float(len(ctx)))
+    if not drafts:
+        return (float(len(ctx)), total, total, float(len(ctx)))
+    rows = float(len(ctx) + sum(drafts))
+    pairs = sum((d + 1) * c + d * (d + 1) // 2 for c, d in zip(ctx, drafts, strict=True))
+    return (rows, float(pairs), total + sum(drafts), rows)
 
 
 def phase_layers(cfg: ModelConfig, es: ExecutionState, phase: str) -> tuple[int, bool, bool]:
@@ -156,7 +162,7 @@ def phase_counts(es: ExecutionState, phase: str) -> Counts:
     if phase == "prefill":
         return prefill_counts(es.prefill_lens, es.prefill_cached)
     if phase == "decode":
-        return decode_counts(es.decode_ctx)
+        return decode_counts(es.decode_ctx, es.decode_drafts)
     raise ValueError(f"unknown phase {phase!r}; expected 'prefill' or 'decode'")
 
 

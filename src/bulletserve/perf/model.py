@@ -86,7 +86,7 @@ def size_bucket(es: ExecutionState, phase: str) -> int:
     """The size class of `phase` of `es` for the online correction: log2 of its rows (a
     prefill's tokens, fused decode rows included; a decode's sequences), so that a model off by
     a different factor for small and large steps is corrected for each."""
-    rows = sum(es.prefill_lens) if phase == "prefill" else len(es.decode_ctx)
+    rows = sum(es.prefill_lens) if phase == "prefill" else es.decode_rows
     return max(rows, 1).bit_length() - 1
 
 
@@ -321,7 +321,7 @@ class PerfModel:
         if self._sampling_per_row is None:
             return 0.0
         if phase == "decode":
-            rows, units = len(es.decode_ctx), es.decode_units
+            rows, units = es.decode_rows, es.decode_units
         else:
             last = phase_layers(self.cfg, es, phase)[2]
             rows, units = (len(es.prefill_lens) if last else 0), es.prefill_units

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from bulletserve.sched.drafts import DraftRow, DraftRule, StepWork
 from bulletserve.sched.slo import SLO
 
 # vLLM's --scheduling-policy: first come first served, or by each request's `priority` (lower
@@ -34,8 +35,10 @@ class SeqView:
     first_token_time: float | None = None
     num_output_tokens: int = 0
     # Tokens drafted for it to verify in its next decode row (speculative decoding), beyond
-    # its own: the row may compute 1 + these, the step's budget permitting.
+    # its own: the row may compute 1 + these (`PlanBuilder.add_drafts`), and the chance that
+    # each holds given the one before did (`sched.drafts.acceptance_estimate`).
     num_draft_tokens: int = 0
+    draft_acceptance: float = 0.0
 
     @property
     def num_remaining(self) -> int:
@@ -126,18 +129,14 @@ class PlanBuilder:
         end of it (the newest, where priorities and SLOs are alike).
 
         With `chunk`, a request that is still prefilling gets as many tokens as the budget allows;
-        without it, every running request is decoding and needs exactly one. A decoding
-        request's drafts ride in its row while the budget lasts.
+        without it, every running request is decoding and needs exactly one. Drafts come last
+        (`add_drafts`).
         """
         running = sorted(self.snapshot.running, key=keep_order)
         self.budget.seqs -= len(running)
         while running:
             seq = running.pop(0)
-            wanted = seq.num_remaining + seq.num_draft_tokens
-            if chunk:
-                num = min(wanted, self.budget.tokens)
-            else:
-                num = max(seq.num_remaining, min(wanted, self.budget.tokens))
+            num = min(seq.num_remaining, self.budget.tokens) if chunk else seq.num_remaining
             if num <= 0:
                 continue
             need = blocks_needed(seq, num, self.snapshot.block_size)
@@ -168,6 +167,49 @@ class PlanBuilder:
             self.budget.seqs -= 1
             self.admitted.append(seq.request_id)
             self._take(seq, num, need)
+
+    def add_drafts(self, rule: DraftRule | None) -> None:
+        """Let the scheduled decode rows verify drafts, from the token budget the step's needed
+        work left: as many as `rule` finds worth their cost (None: all of them, while the budget
+        lasts), each row's in `keep_order` while blocks last."""
+        snapshot = self.snapshot
+        if self.budget.tokens <= 0 or not any(seq.num_draft_tokens for seq in snapshot.running):
+            return
+        # The admitted requests are the queue's head (admission never overtakes).
+        admitted = snapshot.waiting[: len(self.admitted)]
+        views = {seq.request_id: seq for seq in (*snapshot.running, *admitted)}
+        work = StepWork([], [])
+        offered: dict[int, DraftRow] = {}
+        rows: list[tuple[int, SeqView]] = []  # (index in the plan, view) of each decode row
+        for index, scheduled in enumerate(self.scheduled):
+            seq = views[scheduled.request_id]
+            if seq.num_remaining != 1 or not seq.num_output_tokens:
+                work.prefill.append((scheduled.num_tokens, seq.num_computed_tokens))
+                continue
+            if seq.num_draft_tokens:
+                offered[len(rows)] = DraftRow(
+                    seq.num_computed_tokens + 1, seq.num_draft_tokens, seq.draft_acceptance
+                )
+            work.decode_ctx.append(seq.num_computed_tokens + 1)
+            rows.append((index, seq))
+        if not offered:
+            return
+        if rule is not None:
+            counts = rule.choose(work, offered, self.budget.tokens)
+        else:
+            counts = {row: offer.drafts for row, offer in offered.items()}
+        for row, count in sorted(counts.items()):
+            index, seq = rows[row]
+            count = min(count, self.budget.tokens)
+            size = snapshot.block_size
+            need = blocks_needed(seq, 1 + count, size) - blocks_needed(seq, 1, size)
+            while count and need > self.budget.blocks:
+                count -= 1
+                need = blocks_needed(seq, 1 + count, size) - blocks_needed(seq, 1, size)
+            if count:
+                self.scheduled[index].num_tokens += count
+                self.budget.tokens -= count
+                self.budget.blocks -= need
 
     def build(self) -> StepPlan:
         return StepPlan(tuple(self.scheduled), tuple(self.preempted), tuple(self.admitted))

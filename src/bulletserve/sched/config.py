@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from bulletserve.sched.base import SCHEDULING_POLICIES, Policy, SchedulingPolicy
 from bulletserve.sched.bullet import BulletPolicy, UnitSpace, parse_partition
 from bulletserve.sched.chunked import ChunkedPolicy
+from bulletserve.sched.drafts import DraftRule
 from bulletserve.sched.prefill_first import PrefillFirstPolicy
 from bulletserve.sched.slo import SLO
 
@@ -71,13 +72,15 @@ def make_policy(
     perf: PerfModel | None = None,
     units: UnitSpace | None = None,
     num_layers: int | None = None,
+    drafts: DraftRule | None = None,
 ) -> Policy | BulletPolicy:
     """The policy `config` names. Bullet's also needs the SLO, the performance model, the
-    device's units and the model's layer count."""
+    device's units and the model's layer count. `drafts`: the one-lane policies' draft rule
+    under speculative decoding (None: every draft the budget leaves room for)."""
     if config.policy == "chunked":
-        return ChunkedPolicy(config.chunk_size)
+        return ChunkedPolicy(config.chunk_size, drafts)
     if config.policy == "prefill-first":
-        return PrefillFirstPolicy()
+        return PrefillFirstPolicy(drafts)
     if slo is None:
         raise ValueError(
             "the bullet policy needs SLOs: pass --slo-ttft-per-token-ms and --slo-tpot-ms"

@@ -1,6 +1,7 @@
 """Prefill-first (vLLM v0, Orca): whole prompts first, then a decode-only step.
 
-A step either prefills waiting prompts in full, or decodes every running request; never both.
+A step either prefills waiting prompts in full, or decodes every running request (with the
+drafts `sched.drafts` lets them verify, under speculative decoding); never both.
 """
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bulletserve.sched.base import PlanBuilder, SchedulerSnapshot, StepPlan
+from bulletserve.sched.drafts import DraftRule
 
 
 @dataclass
 class PrefillFirstPolicy:
+    drafts: DraftRule | None = None  # None: every draft the budget leaves room for
     name: str = "prefill-first"
 
     def plan(self, snapshot: SchedulerSnapshot) -> StepPlan:
@@ -24,4 +27,5 @@ class PrefillFirstPolicy:
                 return prefill.build()
         decode = PlanBuilder(snapshot, snapshot.max_num_batched_tokens + len(snapshot.running))
         decode.schedule_running(chunk=False)
+        decode.add_drafts(self.drafts)
         return decode.build()

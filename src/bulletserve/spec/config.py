@@ -28,12 +28,15 @@ MAX_LOOKUP = 64
 class SpeculativeConfig:
     """Drafts of up to `num_speculative_tokens` tokens per decoding request and step; for
     ngram, the longest n-gram from `prompt_lookup_max` down to `prompt_lookup_min` that ends
-    the request's tokens and occurred in them before proposes what followed it there."""
+    the request's tokens and occurred in them before proposes what followed it there.
+    `adaptive` (ours, not vLLM's): a step verifies only the drafts worth what they cost, priced
+    by the performance model (`sched.drafts`); false verifies every draft, as vLLM does."""
 
     method: SpecMethod
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -74,13 +77,21 @@ class SpeculativeConfig:
                 f"--speculative-config prompt_lookup_min ({low}) is above prompt_lookup_max "
                 f"({high})"
             )
-        return cls(method, tokens, low, high)
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(
+                f"--speculative-config adaptive must be true or false, not {adaptive!r}"
+            )
+        return cls(method, tokens, low, high, adaptive)
 
     def describe(self) -> str:
         """The startup block's line."""
+        verified = (
+            "the drafts worth their cost verified" if self.adaptive else "every draft verified"
+        )
         return (
             f"{self.method}, {self.num_speculative_tokens} tokens a step, n-grams of "
-            f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
+            f"{self.prompt_lookup_min}-{self.prompt_lookup_max}, {verified}"
         )
 
 
