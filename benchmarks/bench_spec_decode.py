@@ -1,6 +1,7 @@
-"""Speculative decoding at one stream: the embedded model, greedy, with n-gram drafts and
+"""Speculative decoding at one stream: the embedded model, greedy, with n-gram drafts (every
+draft verified, as vLLM; and the drafts the rule finds worth their cost, our default) and
 without, on two workloads: grounded (copy a passage of one of the package's texts, a different
-passage each run) and chat-like (short open questions). Both engines run in this process, one
+passage each run) and chat-like (short open questions). The engines run in this process, one
 request at a time, alternating, prefix caching off; per workload the median over repeats of
 output tokens/s (the whole request: prefill, then decode) and of decode tokens/s (after the
 first token), their ratios, the draft acceptance rate and mean acceptance length, and where the
@@ -80,39 +81,46 @@ def main() -> None:
         "max_model_len": 2048,
         "enable_prefix_caching": False,
     }
-    plain = LLM(**common)
-    spec = LLM(**common, speculative_config=config)
+    engines = {
+        "off": LLM(**common),
+        "every draft": LLM(**common, speculative_config={**config, "adaptive": False}),
+        "adaptive": LLM(**common, speculative_config=config),
+    }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    counters = spec.engine.executor.speculator.counters
     print(f"n-gram: {config}; {args.repeats} runs of {args.max_tokens} tokens, one stream")
     for name in ("grounded", "chat-like"):
-        rates: dict[str, list[tuple[float, float]]] = {"off": [], "ngram": []}
-        parted = []
-        before = counters.copy()
+        rates: dict[str, list[tuple[float, float]]] = {label: [] for label in engines}
+        parted: dict[str, list[int]] = {label: [] for label in engines}
+        before = {label: llm.engine.executor.spec_counters() for label, llm in engines.items()}
         for run in range(args.repeats):
             messages = grounded(run, args.passage_chars) if name == "grounded" else chat_like(run)
-            *off, want = timed(plain, messages, params)
-            *on, got = timed(spec, messages, params)
-            rates["off"].append(tuple(off))
-            rates["ngram"].append(tuple(on))
-            if want != got:
-                parted.append(
-                    next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
-                )
+            want = None
+            for label, llm in engines.items():
+                *rate, got = timed(llm, messages, params)
+                rates[label].append(tuple(rate))
+                want = got if want is None else want
+                if got != want:
+                    parted[label].append(
+                        next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+                    )
         out_off, dec_off = (statistics.median(r[i] for r in rates["off"]) for i in (0, 1))
-        out_on, dec_on = (statistics.median(r[i] for r in rates["ngram"]) for i in (0, 1))
-        run = counters - before
-        print(
-            f"{name}: output tok/s off {out_off:.1f}, ngram {out_on:.1f} ({out_on / out_off:.2f}x);"
-            f" decode tok/s off {dec_off:.1f}, ngram {dec_on:.1f} ({dec_on / dec_off:.2f}x);"
-            f" acceptance {run.acceptance_rate or 0:.1%}, mean acceptance length "
-            f"{run.mean_acceptance_length or 1:.2f} ({run.num_drafts} rows drafted "
-            f"{run.num_draft_tokens} tokens); "
-            f"outputs parted in {len(parted)} of "
-            f"{args.repeats} runs" + (f" (at tokens {parted})" if parted else "")
-        )
-    plain.close()
-    spec.close()
+        print(f"{name}: off: output tok/s {out_off:.1f}, decode tok/s {dec_off:.1f}")
+        for label, llm in engines.items():
+            if label == "off":
+                continue
+            out_on, dec_on = (statistics.median(r[i] for r in rates[label]) for i in (0, 1))
+            run = llm.engine.executor.spec_counters() - before[label]
+            print(
+                f"  {label}: output tok/s {out_on:.1f} ({out_on / out_off:.2f}x), decode tok/s "
+                f"{dec_on:.1f} ({dec_on / dec_off:.2f}x); acceptance "
+                f"{run.acceptance_rate or 0:.1%}, mean acceptance length "
+                f"{run.mean_acceptance_length or 1:.2f} ({run.num_drafts} "
+                f"rows drafted {run.num_draft_tokens} tokens); outputs parted from off in "
+                f"{len(parted[label])} of {args.repeats} runs"
+                + (f" (at tokens {parted[label]})" if parted[label] else "")
+            )
+    for llm in engines.values():
+        llm.close()
 
 
 if __name__ == "__main__":

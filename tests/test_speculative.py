@@ -208,6 +208,36 @@ def test_the_step_log_carries_each_steps_drafted_and_accepted_tokens(tiny_llama_
     assert sum(r.accepted_tokens for r in records) == counters.num_accepted_tokens > 0
 
 
+def test_adaptive_speculation_prices_each_step_and_keeps_the_outputs(tiny_llama_dir, tmp_path):
+    """The default: the draft rule prices each step's drafts by the performance model (its
+    device profile measured at start, corrected by each step's measured time), and the step log
+    shows its estimate. How many drafts it verifies depends on the times measured (the rule's
+    choices are tested in test_sched_drafts.py); the outputs are the ones decoding gives."""
+    adaptive = {key: value for key, value in NGRAM.items() if key != "adaptive"}
+    log = tmp_path / "steps.jsonl"
+    plain = tiny_llm(tiny_llama_dir)
+    spec = tiny_llm(tiny_llama_dir, speculative_config=adaptive, step_log=str(log))
+    try:
+        assert any(
+            "the drafts worth their cost verified" in line for line in spec.engine.describe()
+        )
+        params = SamplingParams(
+            temperature=0, max_tokens=60, ignore_eos=True, logit_bias=THREE_TOKENS
+        )
+        prompts = random_prompts(3, seed=29)
+        expected = plain.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        counters = _counters(spec)
+        assert spec.engine.pool.allocator.num_used == 0
+    finally:
+        plain.close()
+        spec.close()
+    records = read_step_log(log)
+    assert all(r.predicted_s is not None and r.predicted_s > 0 for r in records)
+    assert sum(r.draft_tokens for r in records) == counters.num_draft_tokens
+
+
 def test_the_ngram_index_proposes_what_followed_the_longest_recent_match():
     index = NgramIndex(1, 3)
     index.extend([1, 2, 3, 9, 1, 2, 3, 4, 5, 2, 3])

@@ -15,9 +15,14 @@ from bulletserve.sched.base import SchedulerSnapshot, StepPlan
 
 
 def scheduler_snapshot(
-    book: RequestBook, now: float, max_num_seqs: int, max_num_batched_tokens: int
+    book: RequestBook,
+    now: float,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    host_step_s: float = 0.0,
 ) -> SchedulerSnapshot:
     return SchedulerSnapshot(
+        host_step_s=host_step_s,
         now=now,
         waiting=book.waiting_views(),
         running=book.running_views(),

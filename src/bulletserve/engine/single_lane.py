@@ -82,6 +82,7 @@ class InFlight:
     measured: float
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
     accepted: int | None = None  # of its drafts, those accepted (speculative decoding)
+    predicted: float | None = None  # the performance model's seconds, where it plans by one
 
     def feeds(self, step: SingleStep[Request]) -> FedTokens | None:
         """The rows of `step` whose input token this step is drawing."""
@@ -96,6 +97,35 @@ class InFlight:
             return None
         assert self.draw is not None
         return FedTokens(rows, self.draw.tokens, picks)
+
+
+class HostTime:
+    """The engine's own seconds per step outside the forward (planning, drawing, handing the
+    outputs over and waiting for the server to send them): from one step's start to the next's
+    while requests run, less the forward; a running mean whose first values are averaged."""
+
+    WEIGHT = 0.1
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started: float | None = None
+        self._forward = 0.0
+        self._seen = 0
+
+    def step_started(self) -> None:
+        now = time.perf_counter()
+        if self._started is not None:
+            host = max(0.0, now - self._started - self._forward)
+            self._seen += 1
+            self.seconds += max(self.WEIGHT, 1.0 / self._seen) * (host - self.seconds)
+        self._started, self._forward = now, 0.0
+
+    def forward_ran(self, seconds: float) -> None:
+        self._forward = seconds
+
+    def idle(self) -> None:
+        """No request runs: the wait for the next one is nobody's step."""
+        self._started = None
 
 
 class SingleLane:
@@ -131,6 +161,7 @@ class SingleLane:
                 parts, hardware_profile(parts.config.hardware_profile, units, parts.dtype)
             )
             drafts = DraftRule.from_perf(self.perf, self.units)
+        self.host = HostTime()
         self.policy: Policy = make_policy(parts.config, drafts=drafts)
 
     def thread_counts(self) -> list[int]:
@@ -139,7 +170,11 @@ class SingleLane:
     def snapshot(self) -> SchedulerSnapshot:
         parts, config = self.parts, self.parts.config
         return scheduler_snapshot(
-            parts.book, parts.clock.now(), config.max_num_seqs, config.max_num_batched_tokens
+            parts.book,
+            parts.clock.now(),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.host.seconds,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -149,6 +184,7 @@ class SingleLane:
         parts, life = self.parts, self.parts.life
         outputs = life.take_in()
         if self.speculator is not None:
+            self.host.step_started()
             self.speculator.propose(parts.book.running)
         plan = self.policy.plan(self.snapshot())
         if self._in_flight is not None and self._waits_for_draw(plan):
@@ -158,10 +194,15 @@ class SingleLane:
         for request in step.preempted:
             request.state = RequestState.WAITING
         if not step.batch:
+            self.host.idle()
             return outputs + self._land_in_flight()
         flight, logits = self._launch(step)
         if self.speculator is not None:  # serial steps (EngineConfig refuses it with async)
-            return outputs + self._verify(flight, logits)
+            self.host.forward_ran(flight.measured)
+            outputs += self._verify(flight, logits)
+            if not parts.book.running:
+                self.host.idle()
+            return outputs
         outputs += self._land_in_flight()
         self._draw(flight, logits)
         self._close(flight)
@@ -262,7 +303,10 @@ class SingleLane:
         )
         flight.accepted = flight.step.draft_tokens - sum(rejected.values())
         if self.perf is not None:
-            self.perf.observe(*flight.step.execution_state(self.units), flight.measured)
+            es, phase = flight.step.execution_state(self.units)
+            prediction = self.perf.predict(es)
+            flight.predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
+            self.perf.observe(es, phase, flight.measured)
         self._close(flight, rejected)
         self._log_step(flight)
         advanced = {request.request_id: request for request in flight.sampled}
@@ -294,7 +338,7 @@ class SingleLane:
                 measured = ended - started
             es = flight.step.execution_state(self.units)[0]
             record = flight.step.record(
-                ended, self.units, es, measured, accepted_tokens=flight.accepted
+                ended, self.units, es, measured, flight.predicted, flight.accepted
             )
             write_step(parts.step_log, record)
             parts.step_log.flush()

@@ -50,7 +50,7 @@ class Speculator:
         max_tokens and the context length leave room for after the token its row draws, and
         the chance that each holds (`sched.drafts.acceptance_estimate`)."""
         self._tally.fade()
-        prior = self._tally.estimate()
+        prior = self._tally.mean()
         live = set()
         for request in running:
             live.add(request.request_id)

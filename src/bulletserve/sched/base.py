@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from bulletserve.sched.drafts import DraftRow, DraftRule, StepWork
+from bulletserve.sched.drafts import DraftRow, DraftRule
 from bulletserve.sched.slo import SLO
 
 # vLLM's --scheduling-policy: first come first served, or by each request's `priority` (lower
@@ -57,6 +57,9 @@ class SchedulerSnapshot:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # The engine's own seconds around a step, outside the model (planning, drawing, handing
+    # the outputs over), as measured lately: a step's price beside its forward.
+    host_step_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -178,24 +181,21 @@ class PlanBuilder:
         # The admitted requests are the queue's head (admission never overtakes).
         admitted = snapshot.waiting[: len(self.admitted)]
         views = {seq.request_id: seq for seq in (*snapshot.running, *admitted)}
-        work = StepWork([], [])
+        contexts: list[int] = []  # the decode rows', each with its own token
         offered: dict[int, DraftRow] = {}
         rows: list[tuple[int, SeqView]] = []  # (index in the plan, view) of each decode row
         for index, scheduled in enumerate(self.scheduled):
             seq = views[scheduled.request_id]
             if seq.num_remaining != 1 or not seq.num_output_tokens:
-                work.prefill.append((scheduled.num_tokens, seq.num_computed_tokens))
-                continue
+                continue  # a prompt chunk
             if seq.num_draft_tokens:
-                offered[len(rows)] = DraftRow(
-                    seq.num_computed_tokens + 1, seq.num_draft_tokens, seq.draft_acceptance
-                )
-            work.decode_ctx.append(seq.num_computed_tokens + 1)
+                offered[len(rows)] = DraftRow(seq.num_draft_tokens, seq.draft_acceptance)
+            contexts.append(seq.num_computed_tokens + 1)
             rows.append((index, seq))
         if not offered:
             return
         if rule is not None:
-            counts = rule.choose(work, offered, self.budget.tokens)
+            counts = rule.choose(contexts, offered, self.budget.tokens, snapshot.host_step_s)
         else:
             counts = {row: offer.drafts for row, offer in offered.items()}
         for row, count in sorted(counts.items()):

@@ -1,20 +1,23 @@
 """Speculative decoding's draft rule: how many of its drafts each decoding row verifies this
 step.
 
-A verified draft costs what its token adds to the step's time (the performance model's
-estimate) and is worth the decode rows it saves when it holds: where a request's drafts each
-hold with probability a given that the one before held, its j-th draft saves a^j rows on
-average. Every other token of the step is work the requests need, worth one (a decode row makes
-its token; a prompt token is computed once either way). The rule takes drafts, the most likely
-first, as far as they raise the step's work per second. A memory-bound step (one stream on a
-CPU, a small batch on a GPU) barely lengthens with a few more rows, so nearly every draft is
-verified; on a compute-bound step a row costs as much as any token and only a near-certain
-draft pays; and drafts only take the token budget the step's needed work left, never displacing
-a prompt chunk (vLLM's own measurements: speculation 1.4-1.8x slower at high request rates).
+A decode token costs a share of the step that makes it: the decode rows' time (the
+performance model's estimate) over the tokens they make. A verified draft adds its row's time
+and, where a request's drafts each hold with probability a given that the one before held, its
+j-th draft makes a^j tokens on average. The rule takes drafts, the most likely first, as far as
+they lower the cost of a decode token: where the step's fixed cost dominates (one stream on a
+CPU, a small batch on a GPU), a few more rows barely lengthen it and nearly every draft is
+verified; where it computes rather than reads, a row costs as much as the token it might save
+and only near-certain drafts pay (vLLM's own measurements: speculation 1.4-1.8x slower at high
+request rates). Prompt chunks in the same step are left out of the sum: their work is the same
+with or without drafts beside them (a step that carried them priced drafts against them, and
+verified none where drafts paid, measured). Drafts only take the token budget the step's needed
+work left, never displacing a prompt chunk.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,11 +35,21 @@ FIRST_PRIOR = 0.5
 FADE = 0.95
 
 
+# The optimism of a request's estimate where its evidence is thin: EXPLORE / sqrt(1 + positions
+# decided) above the mean. A request whose drafts were never verified has them tried (its
+# estimate 1 at first), and one whose evidence faded tries again; with 16 positions decided
+# the estimate is within 0.12 of its mean.
+EXPLORE = 0.5
+
+
 def acceptance_estimate(accepted: float, rejected: float, prior: float) -> float:
-    """The chance that a draft holds given the one before it held: the accepted drafts over
-    the positions verified rows decided (each accepted draft, and the one that ended a row
-    where one was rejected), shrunk towards `prior`."""
-    return (accepted + PRIOR_POSITIONS * prior) / (accepted + rejected + PRIOR_POSITIONS)
+    """The chance that a draft holds given the one before it held, as the rule weighs it: the
+    accepted drafts over the positions verified rows decided (each accepted draft, and the one
+    that ended a row where one was rejected), shrunk towards `prior`, plus the optimism of
+    thin evidence (`EXPLORE`), at most 1."""
+    decided = accepted + rejected
+    mean = (accepted + PRIOR_POSITIONS * prior) / (decided + PRIOR_POSITIONS)
+    return min(1.0, mean + EXPLORE / math.sqrt(1.0 + decided))
 
 
 @dataclass
@@ -55,37 +68,34 @@ class AcceptanceTally:
         self.accepted += accepted
         self.rejected += rejected
 
-    def estimate(self, prior: float = FIRST_PRIOR) -> float:
+    def mean(self) -> float:
+        """The share of decided positions whose draft held (`FIRST_PRIOR` before any): the
+        prior of each request's estimate."""
+        decided = self.accepted + self.rejected
+        return (self.accepted + PRIOR_POSITIONS * FIRST_PRIOR) / (decided + PRIOR_POSITIONS)
+
+    def estimate(self, prior: float) -> float:
         """`acceptance_estimate` of this tally."""
         return acceptance_estimate(self.accepted, self.rejected, prior)
 
 
 @dataclass(frozen=True)
 class DraftRow:
-    """A decoding row that may carry drafts: its context with its own token, the drafts on
-    offer and the chance each holds after the one before (`acceptance_estimate`)."""
+    """A decoding row's drafts on offer and the chance each holds after the one before
+    (`acceptance_estimate`)."""
 
-    context: int
     drafts: int
     acceptance: float
 
 
-@dataclass(frozen=True)
-class StepWork:
-    """A step's needed work before any draft: its prompt chunks as (new tokens, cached tokens)
-    and its decode rows' contexts (those that may carry drafts included)."""
-
-    prefill: list[tuple[int, int]]
-    decode_ctx: list[int]
-
-
-StepTime = Callable[[StepWork, list[int]], float]
+StepTime = Callable[[list[int], list[int]], float]
 
 
 @dataclass(frozen=True)
 class DraftRule:
-    """Drafts priced by a step-time estimate: `step_time(work, drafts)` is the seconds of a step
-    of `work` whose decode rows carry `drafts[i]` drafts each."""
+    """Drafts priced by a step-time estimate: `step_time(contexts, drafts)` is the seconds of a
+    step of decode rows at `contexts` (each with its own token), carrying `drafts[i]` drafts
+    each."""
 
     step_time: StepTime
 
@@ -94,18 +104,23 @@ class DraftRule:
         """Priced by the performance model for a step on `units` units (its online corrections
         as they stand at each step)."""
 
-        def step_time(work: StepWork, drafts: list[int]) -> float:
-            state, phase = fused_step_state(work.prefill, work.decode_ctx, units, drafts)
-            prediction = perf.predict(state)
-            return prediction.prefill_s if phase == "prefill" else prediction.decode_s
+        def step_time(contexts: list[int], drafts: list[int]) -> float:
+            state, _ = fused_step_state([], contexts, units, drafts)
+            return perf.predict(state).decode_s
 
         return cls(step_time)
 
     def choose(
-        self, work: StepWork, rows: dict[int, DraftRow], budget_tokens: int
+        self,
+        contexts: list[int],
+        rows: dict[int, DraftRow],
+        budget_tokens: int,
+        host_s: float = 0.0,
     ) -> dict[int, int]:
-        """How many drafts to verify for each row of `rows` (keyed by its index in
-        `work.decode_ctx`; those not given none), at most `budget_tokens` in all."""
+        """How many drafts to verify for each row of `rows` (keyed by its index in the step's
+        decode rows, at `contexts`; those not given none), at most `budget_tokens` in all.
+        `host_s`: the engine's own time around a step, a fixed part of its price (fewer steps
+        for the same tokens save it)."""
         # Each draft position's worth: a^j for the j-th of a row. Within a row the worth falls
         # with j, so the best positions overall take each row's drafts from its first.
         offers = sorted(
@@ -117,22 +132,33 @@ class DraftRule:
         )[: max(budget_tokens, 0)]
         if not offers:
             return {}
-        needed = sum(n for n, _ in work.prefill) + len(work.decode_ctx)
-        best_count, best_rate = 0, needed / self.step_time(work, [0] * len(work.decode_ctx))
-        worth = float(needed)
-        # The step's rate is checked at 1, 2, 4, ... of the best offers and at all of them: a
-        # few estimates a step, and the rate, a concave gain over a convex cost, has one peak.
-        checks = {min(1 << k, len(offers)) for k in range(len(offers).bit_length() + 1)}
+        num_rows = len(contexts)
+        best_count = 0
+        best_rate = num_rows / (host_s + self.step_time(contexts, [0] * num_rows))
+        worth = float(num_rows)
+        # The step's rate is checked at counts of the best offers half as many again each
+        # (1, 2, 3, 4, 6, 9, ...) and at all of them: a few estimates a step for the peak of a
+        # concave gain over a convex cost.
         taken = 0
-        for count in sorted(checks):
+        for count in _counts_to_check(len(offers)):
             while taken < count:
                 worth -= offers[taken][0]
                 taken += 1
-            rate = worth / self.step_time(work, _per_row(offers[:count], len(work.decode_ctx)))
+            drafts = _per_row(offers[:count], num_rows)
+            rate = worth / (host_s + self.step_time(contexts, drafts))
             if rate > best_rate:
                 best_count, best_rate = count, rate
-        chosen = _per_row(offers[:best_count], len(work.decode_ctx))
+        chosen = _per_row(offers[:best_count], num_rows)
         return {index: count for index, count in enumerate(chosen) if count}
+
+
+def _counts_to_check(most: int) -> list[int]:
+    """1, then half as many again each time (rounded up), up to `most`, and `most`."""
+    counts, count = [], 1
+    while count < most:
+        counts.append(count)
+        count = max(count + 1, -(-count * 3 // 2))
+    return [*counts, most]
 
 
 def _per_row(offers: list[tuple[float, int]], num_rows: int) -> list[int]:
