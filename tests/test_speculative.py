@@ -19,6 +19,7 @@ from bulletserve.cli import main
 from bulletserve.engine.structured import StructuredOutputs
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.ngram import NgramIndex
+from bulletserve.spec.suffix import SuffixCache, SuffixDrafter, SuffixTrie
 from tests.server.harness import need_tokenizer, running_app, tiny_engine
 from tests.tiny_models import TINY_LLAMA_BLOCK_BYTES, random_prompts, tiny_llm
 
@@ -30,6 +31,7 @@ NGRAM = {
     "prompt_lookup_max": 3,
     "adaptive": False,
 }
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False}
 # " red", " green", " blue" in the default model's tokenizer, which the tiny models share.
 THREE_TOKENS = {2382: 60.0, 2654: 60.0, 4461: 60.0}
 
@@ -249,6 +251,65 @@ def test_the_ngram_index_proposes_what_followed_the_longest_recent_match():
     assert NgramIndex(2, 2).propose(3) == []
 
 
+def test_suffix_decoding_outputs_equal_without_speculation_and_draft_from_past_outputs(
+    engines, tiny_llama_dir
+):
+    """The suffix trie's drafts verified exactly as the n-gram's (greedy, many streams, either
+    policy); its global trie then holds the finished requests' outputs, and a request repeating
+    one is drafted from it."""
+    plain, _ = engines
+    policy = plain.engine.config.policy
+    spec = tiny_llm(tiny_llama_dir, policy=policy, speculative_config=SUFFIX)
+    try:
+        params = SamplingParams(
+            temperature=0, max_tokens=48, ignore_eos=True, logit_bias=THREE_TOKENS
+        )
+        prompts = random_prompts(8, seed=31)
+        _same(plain, spec, prompts, params)
+        speculator = spec.engine.executor.speculator
+        assert speculator._suffix_cache.trie.num_nodes > 0
+        (first,) = plain.generate(prompts[:1], params, use_tqdm=False)
+        drafter = SuffixDrafter([7, 7], speculator._suffix_cache, 1.0, 0.1)
+        drafter.extend(first.token_ids[:20])
+        assert drafter.propose(4) == first.token_ids[20:24]
+    finally:
+        spec.close()
+
+
+def test_the_suffix_trie_follows_the_most_frequent_continuation_of_the_longest_match():
+    trie = SuffixTrie(8)
+    seq = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3]
+    trie.add(seq)
+    # "1 2 3" ends the sequence (its own end has no continuation yet); before, it was
+    # followed twice by 4 (share 1), then once each by 5 and 6 (share 1/2).
+    assert trie.propose(seq, 5, 1.0, 0.1) == ([4, 5, 1], 2.0)  # 3 tokens for a 3-token match
+    assert trie.propose(seq, 5, 4.0, 0.1) == ([4, 5, 1, 2, 3], 3.0)
+    assert trie.propose(seq, 5, 4.0, 0.6) == ([4], 1.0)  # 5 or 6: under the share asked
+    assert trie.propose([9, 9], 5, 4.0, 0.1) == ([], 0.0)
+    trie.remove(seq)
+    assert trie.root.children == {} and trie.num_nodes == 0
+
+
+def test_the_suffix_cache_is_bounded_in_requests_and_nodes():
+    def counted(node) -> int:
+        return sum(1 + counted(child) for child in node.children.values())
+
+    cache = SuffixCache(24, max_requests=3)
+    outputs = [random_prompts(1, seed=seed, low=50, high=60)[0] for seed in range(6)]
+    for output in outputs:
+        cache.add(output)
+    assert list(cache._outputs) == outputs[-3:]
+    assert cache.trie.num_nodes == counted(cache.trie.root)
+    fresh = SuffixCache(24, max_requests=3)
+    for output in outputs[-3:]:
+        fresh.add(output)
+    assert fresh.trie.num_nodes == cache.trie.num_nodes  # the oldest left no trace
+    small = SuffixCache(24, max_requests=100, max_nodes=2000)
+    for output in outputs:
+        small.add(output)
+        assert small.trie.num_nodes <= 2000 and small.trie.num_nodes == counted(small.trie.root)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
@@ -268,6 +329,16 @@ def test_the_ngram_index_proposes_what_followed_the_longest_recent_match():
             "above prompt_lookup_max",
         ),  # fmt: skip
         ("{not json", "not JSON"),
+        ({"method": "suffix", "prompt_lookup_min": 2}, "'prompt_lookup_min' is not taken"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "suffix_decoding_max_tree_depth": 8},
+            "not taken",
+        ),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "spec_factor"),
+        ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "cached_requests"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": "yes"}, "adaptive"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "draft model"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(value, message):
@@ -280,6 +351,13 @@ def test_vllms_defaults_and_the_policies_it_runs_under(tiny_llama_dir):
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
     high = SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": None, "prompt_lookup_max": 4})
     assert (high.prompt_lookup_min, high.prompt_lookup_max) == (4, 4)
+    suffix = SpeculativeConfig.parse('{"method": "suffix"}')
+    assert suffix.num_speculative_tokens == suffix.suffix_decoding_max_tree_depth == 24
+    assert (suffix.suffix_decoding_max_cached_requests, suffix.adaptive) == (10000, True)
+    assert (suffix.suffix_decoding_max_spec_factor, suffix.suffix_decoding_min_token_prob) == (
+        1.0,
+        0.1,
+    )
     with pytest.raises(ValueError, match="Bullet"):
         tiny_llm(tiny_llama_dir, policy="bullet", speculative_config=NGRAM)
     with pytest.raises(ValueError, match="async-scheduling"):

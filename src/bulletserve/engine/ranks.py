@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -56,6 +57,14 @@ class DeviceSide:
     model: DecoderLM
     pool: KVPool
     runner: ModelRunner
+
+
+def _settings(config: EngineConfig) -> dict[str, Any]:
+    """`config` as the other ranks' command line carries it (JSON)."""
+    settings = asdict(config)
+    if config.speculative_config is not None:
+        settings["speculative_config"] = config.speculative_config.to_dict()
+    return settings
 
 
 def build_device_side(
@@ -144,7 +153,7 @@ class Ranks:
                     f"--init-method={init_method}",
                     f"--backend={backend}",
                     f"--device-type={device.type}",
-                    f"--config={json.dumps(asdict(config))}",
+                    f"--config={json.dumps(_settings(config))}",
                 ]
             )
             for rank in range(1, size)

@@ -25,13 +25,18 @@ from bulletserve.sched.drafts import AcceptanceTally
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
 from bulletserve.spec.ngram import NgramIndex
+from bulletserve.spec.suffix import SuffixCache, SuffixDrafter
+
+Drafter = NgramIndex | SuffixDrafter
 
 
 class _Drafting:
-    """A request's drafting state: its n-gram index and how its verified drafts fared."""
+    """A request's drafting state: its proposer's index of its tokens and how its verified
+    drafts fared."""
 
-    def __init__(self, index: NgramIndex) -> None:
-        self.index = index
+    def __init__(self, request: Request, drafter: Drafter) -> None:
+        self.request = request
+        self.drafter = drafter
         self.tally = AcceptanceTally()
 
 
@@ -44,6 +49,11 @@ class Speculator:
         self._drafting: dict[str, _Drafting] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self._tally = AcceptanceTally()  # every request's
+        self._suffix_cache = None
+        if config.method == "suffix":
+            self._suffix_cache = SuffixCache(
+                config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
+            )
 
     def propose(self, running: list[Request]) -> None:
         """Set each decoding request's drafts (none for a prefilling one), no more than its
@@ -69,18 +79,33 @@ class Speculator:
                 continue
             drafting = self._drafting.get(request.request_id)
             if drafting is None:
-                index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-                index.extend(request.prompt_token_ids)
-                drafting = self._drafting[request.request_id] = _Drafting(index)
-            index = drafting.index
-            index.extend(
-                request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :]
+                drafter = self._drafter(request.prompt_token_ids)
+                drafting = self._drafting[request.request_id] = _Drafting(request, drafter)
+            drafter = drafting.drafter
+            drafter.extend(
+                request.output_token_ids[len(drafter.tokens) - len(request.prompt_token_ids) :]
             )
-            request.draft_token_ids = index.propose(room)
+            request.draft_token_ids = drafter.propose(room)
             drafting.tally.fade()
             request.draft_acceptance = drafting.tally.estimate(prior)
         for request_id in [r for r in self._drafting if r not in live]:
-            del self._drafting[request_id]
+            gone = self._drafting.pop(request_id).request
+            if self._suffix_cache is not None and gone.is_finished:
+                self._suffix_cache.add(list(gone.output_token_ids))
+
+    def _drafter(self, prompt: list[int]) -> Drafter:
+        """A new request's proposer, its prompt indexed."""
+        config = self.config
+        if self._suffix_cache is not None:
+            return SuffixDrafter(
+                prompt,
+                self._suffix_cache,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
+        index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        index.extend(prompt)
+        return index
 
     @torch.inference_mode()
     def verify(
