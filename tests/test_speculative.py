@@ -286,6 +286,12 @@ def test_the_suffix_trie_follows_the_most_frequent_continuation_of_the_longest_m
     assert trie.propose(seq, 5, 4.0, 0.1) == ([4, 5, 1, 2, 3], 3.0)
     assert trie.propose(seq, 5, 4.0, 0.6) == ([4], 1.0)  # 5 or 6: under the share asked
     assert trie.propose([9, 9], 5, 4.0, 0.1) == ([], 0.0)
+    # A match as long as the trie is deep leaves no room below it: half of it is used, which
+    # earns (factor 1) as many tokens as the depth leaves.
+    deep = SuffixTrie(24)
+    text = list(range(100)) * 2
+    deep.add(text[:150])
+    assert deep.propose(text[:150], 24, 1.0, 0.1) == (list(range(50, 62)), 12.0)
     trie.remove(seq)
     assert trie.root.children == {} and trie.num_nodes == 0
 

@@ -8,8 +8,9 @@ often its path occurred. A proposal finds the longest suffix of the request's to
 path that something followed (up to depth - 1 tokens), then follows the most frequent
 child while its share of its parent's count is at least `min_token_prob`, for at most
 `max_spec_factor` x the match's length tokens: a long match earns a long draft, a short one a
-short draft. Of the two tries' drafts the one with the higher expected accepted length (the
-sum of the running products of the shares) goes.
+short draft (the match and the draft share the trie's depth: of a long match only as much is
+used as leaves the longest draft). Of the two tries' drafts the one with the higher expected
+accepted length (the sum of the running products of the shares) goes.
 
 Bounded: a sequence of n tokens adds at most n x depth nodes, at `depth` steps a token; the
 global trie holds the outputs of `max_cached_requests` requests and `MAX_CACHED_NODES` nodes at
@@ -103,9 +104,15 @@ class SuffixTrie:
                 low = middle
         if low == 0:
             return [], 0.0
-        node = self._walk(context, len(context) - low, len(context))
+        # A match of m tokens leaves depth - m below it and earns max_spec_factor x m: the
+        # longest match among those that make the longest draft.
+        length = max(
+            range(1, low + 1),
+            key=lambda m: (min(count, int(max_spec_factor * m), self.depth - m), m),
+        )
+        room = min(count, int(max_spec_factor * length), self.depth - length)
+        node = self._walk(context, len(context) - length, len(context))
         assert node is not None
-        room = min(count, int(max_spec_factor * low), self.depth - low)
         draft: list[int] = []
         expected, share = 0.0, 1.0
         while len(draft) < room and node.children:
