@@ -147,6 +147,19 @@ def _add_device_args(
         "benchmarks/engine_host_cost.py measures a host's)",
     )
     group.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="speculative decoding as the engine's flag sets it (one-lane policies); needs "
+        "--spec-acceptance",
+    )
+    group.add_argument(
+        "--spec-acceptance",
+        metavar="RATE:H1,H2,...",
+        help="what the proposer did on a real model: the share of decode rows it drafted for, "
+        "and each draft position's chance to hold given the one before did "
+        "(bench_spec_decode.py prints a run's)",
+    )
+    group.add_argument(
         "--host-overlap",
         action="store_true",
         help="what-if: the host's time overlapped with the device's (a step takes the longer "
@@ -299,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
     from bulletserve.cli.bench import _rates, _slo
     from bulletserve.sim.benchmark import SimConfig, simulate
     from bulletserve.sim.device_presets import SimSetupError
+    from bulletserve.sim.speculation import AcceptanceTrace
 
     if args.study:
         return _run_study(args)
@@ -341,6 +355,12 @@ def run(args: argparse.Namespace) -> int:
             send_priority=args.send_priority,
             send_slo=args.send_slo,
             label=args.label,
+            speculative_config=args.speculative_config,
+            spec_acceptance=(
+                None
+                if args.spec_acceptance is None
+                else AcceptanceTrace.parse(args.spec_acceptance)
+            ),
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None

@@ -21,7 +21,7 @@ import torch
 from bulletserve.engine.life import RequestLife
 from bulletserve.engine.request import Request
 from bulletserve.engine.sampler import Sampler
-from bulletserve.sched.drafts import AcceptanceTally
+from bulletserve.sched.drafts import DraftTallies
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
 from bulletserve.spec.ngram import NgramIndex
@@ -31,13 +31,11 @@ Drafter = NgramIndex | SuffixDrafter
 
 
 class _Drafting:
-    """A request's drafting state: its proposer's index of its tokens and how its verified
-    drafts fared."""
+    """A request's drafting state: the request and its proposer's index of its tokens."""
 
     def __init__(self, request: Request, drafter: Drafter) -> None:
         self.request = request
         self.drafter = drafter
-        self.tally = AcceptanceTally()
 
 
 class Speculator:
@@ -48,7 +46,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self._drafting: dict[str, _Drafting] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
-        self._tally = AcceptanceTally()  # every request's
+        self.tallies = DraftTallies()
         self._suffix_cache = None
         if config.method == "suffix":
             self._suffix_cache = SuffixCache(
@@ -59,8 +57,7 @@ class Speculator:
         """Set each decoding request's drafts (none for a prefilling one), no more than its
         max_tokens and the context length leave room for after the token its row draws, and
         the chance that each holds (`sched.drafts.acceptance_estimate`)."""
-        self._tally.fade()
-        prior = self._tally.mean()
+        self.tallies.step_started()
         live = set()
         for request in running:
             live.add(request.request_id)
@@ -86,10 +83,10 @@ class Speculator:
                 request.output_token_ids[len(drafter.tokens) - len(request.prompt_token_ids) :]
             )
             request.draft_token_ids = drafter.propose(room)
-            drafting.tally.fade()
-            request.draft_acceptance = drafting.tally.estimate(prior)
+            request.draft_acceptance = self.tallies.estimate(request.request_id)
         for request_id in [r for r in self._drafting if r not in live]:
             gone = self._drafting.pop(request_id).request
+            self.tallies.forget(request_id)
             if self._suffix_cache is not None and gone.is_finished:
                 self._suffix_cache.add(list(gone.output_token_ids))
 
@@ -152,10 +149,7 @@ class Speculator:
                 if request.is_finished or position >= len(drafts):
                     continue
                 held = token == drafts[position]
-                self._tally.add(held, not held)
-                drafting = self._drafting.get(request.request_id)
-                if drafting is not None:
-                    drafting.tally.add(held, not held)
+                self.tallies.record(request.request_id, held)
                 if not held:
                     continue
                 rejected[request.request_id] -= 1

@@ -79,6 +79,37 @@ class AcceptanceTally:
         return acceptance_estimate(self.accepted, self.rejected, prior)
 
 
+class DraftTallies:
+    """What the estimates are made from, as the engine and the simulator keep it: each
+    drafting request's tally and every request's together (its prior)."""
+
+    def __init__(self) -> None:
+        self.overall = AcceptanceTally()
+        self._by_request: dict[str, AcceptanceTally] = {}
+        self._prior = FIRST_PRIOR
+
+    def step_started(self) -> None:
+        """A step is being planned: the evidence fades by a step."""
+        self.overall.fade()
+        self._prior = self.overall.mean()
+
+    def estimate(self, request_id: str) -> float:
+        """A decoding request's estimate for this step (its evidence fading by a step)."""
+        tally = self._by_request.setdefault(request_id, AcceptanceTally())
+        tally.fade()
+        return tally.estimate(self._prior)
+
+    def record(self, request_id: str, held: bool) -> None:
+        """A verified position was decided: its draft held or the row ended there."""
+        self.overall.add(held, not held)
+        tally = self._by_request.get(request_id)
+        if tally is not None:
+            tally.add(held, not held)
+
+    def forget(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+
 @dataclass(frozen=True)
 class DraftRow:
     """A decoding row's drafts on offer and the chance each holds after the one before

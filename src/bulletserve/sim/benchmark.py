@@ -13,6 +13,7 @@ from typing import TextIO
 
 from bulletserve.bench.classes import WorkloadClass, assign_classes
 from bulletserve.bench.datasets import RandomLengths, load_lengths
+from bulletserve.bench.load import spec_decode_summary
 from bulletserve.bench.records import BenchResult, RunResult
 from bulletserve.model.config import ModelConfig
 from bulletserve.partition.limits import gpu_min_remainder
@@ -20,6 +21,7 @@ from bulletserve.perf.inventory import WEIGHT_FORMAT_BITS
 from bulletserve.sched import SchedulerConfig, make_policy
 from bulletserve.sched.base import Policy
 from bulletserve.sched.bullet import BulletPolicy, UnitSpace
+from bulletserve.sched.drafts import DraftRule
 from bulletserve.sched.slo import SLO
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.device_presets import (
@@ -35,8 +37,11 @@ from bulletserve.sim.laned import LanedSimulator
 from bulletserve.sim.one_lane import run_single_lane
 from bulletserve.sim.request import SimRequest
 from bulletserve.sim.results import run_result
+from bulletserve.sim.speculation import AcceptanceTrace, SimSpeculation
 from bulletserve.sim.state import SimState
 from bulletserve.sim.workload import Lengths, arrivals_for, make_requests, prompt_tokens
+from bulletserve.spec.config import SpeculativeConfig
+from bulletserve.spec.counters import SpecCounters
 
 DEFAULT_NOISE = 0.02
 
@@ -79,9 +84,27 @@ class SimConfig(SchedulerConfig):
     send_priority: bool = False
     send_slo: bool = False
     label: str | None = None
+    # Speculative decoding: the engine's settings, and what the proposer did on a real model.
+    speculative_config: SpeculativeConfig | None = None
+    spec_acceptance: AcceptanceTrace | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.parse(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
+            if self.spec_acceptance is None:
+                raise ValueError(
+                    "--speculative-config in the simulator needs --spec-acceptance: what the "
+                    "proposer did on a real model (RATE:H1,H2,...)"
+                )
+            if self.policy == "bullet":
+                raise ValueError(
+                    "speculative decoding under Bullet's lanes is not built yet (the engine "
+                    "refuses it too); use --policy chunked or prefill-first"
+                )
+        elif self.spec_acceptance is not None:
+            raise ValueError("--spec-acceptance without --speculative-config")
         if self.quantization is not None and self.quantization not in WEIGHT_FORMAT_BITS:
             raise ValueError(
                 f"--quantization must be one of {', '.join(WEIGHT_FORMAT_BITS)}, not "
@@ -167,8 +190,10 @@ def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
         hw.min_units,
         gpu_min_remainder(hw.units) if hw.kind == "gpu" else None,
     )
+    spec = config.speculative_config
+    drafts = DraftRule.from_perf(env.perf, hw.units) if spec and spec.adaptive else None
     try:
-        return make_policy(config, config.slo, env.perf, units, env.model.num_layers)
+        return make_policy(config, config.slo, env.perf, units, env.model.num_layers, drafts)
     except ValueError as exc:
         raise SimSetupError(str(exc)) from None
 
@@ -237,16 +262,24 @@ def simulate_requests(
     if not (slowdown > 0 and math.isfinite(slowdown)):
         raise SimSetupError(f"--device-slowdown must be a positive number, not {slowdown}")
     limits = (config.max_num_seqs, config.max_num_batched_tokens, slowdown)
-    if isinstance(policy, BulletPolicy):
+    speculation = None
+    if config.speculative_config is not None and config.spec_acceptance is not None:
+        speculation = SimSpeculation(config.speculative_config, config.spec_acceptance, config.seed)
+    if isinstance(policy, BulletPolicy):  # SimConfig refuses speculation with it
         end = LanedSimulator(state, policy, env.perf, noise, *limits, config.host_overlap).run()
     else:
-        end = run_single_lane(state, policy, env.perf, noise, *limits, config.host_overlap)
+        end = run_single_lane(
+            state, policy, env.perf, noise, *limits, config.host_overlap, speculation
+        )
     if state.book.allocator.num_free != state.book.allocator.num_blocks:
         raise RuntimeError("KV blocks leaked: the pool is not empty after the run")
     duration = max(end, max(arrivals, default=0.0), 1e-9)
-    return run_result(
+    result = run_result(
         requests, rate, config.burstiness, duration, config.slo, config.service_classes
     )
+    if speculation is not None:
+        result.summary["spec_decode"] = spec_decode_summary(SpecCounters(), speculation.counters)
+    return result
 
 
 def simulate(
@@ -269,6 +302,8 @@ def simulate(
         if on_run:
             on_run(run)
     settings = asdict(config)
+    if config.speculative_config is not None:
+        settings["speculative_config"] = config.speculative_config.to_dict()
     settings.update(
         simulated=True,
         hardware_profile=env.hardware_name,

@@ -87,7 +87,8 @@ def time_single_step(
     es, phase = step.execution_state(units)
     prediction = perf.device_s(es, slowdown)
     predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
-    sampled = sum(r.num_computed_tokens + n == r.num_tokens for r, n in step.batch)
+    # A verified row (speculative decoding) reaches past its tokens: it samples too.
+    sampled = sum(r.num_computed_tokens + n >= r.num_tokens for r, n in step.batch)
     return SingleTiming(es, predicted, predicted * noise.factor(), perf.host_s(sampled))
 
 

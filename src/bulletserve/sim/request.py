@@ -36,6 +36,9 @@ class SimRequest:
     priority: int = 0  # lower runs first
     slo: SLO | None = None  # its targets (the run's where the workload gives none)
     slo_class: str | None = None  # its class in a mixed workload
+    # Drafts on offer to its next decode row and the chance each holds (sim/speculation.py).
+    draft_count: int = 0
+    draft_acceptance: float = 0.0
     _view: SeqView | None = None
 
     def __post_init__(self) -> None:
@@ -47,7 +50,7 @@ class SimRequest:
 
     @property
     def num_draft_tokens(self) -> int:
-        return 0  # the simulator does not model speculative decoding yet
+        return self.draft_count
 
     @property
     def skips_prefix_cache(self) -> bool:
@@ -77,6 +80,8 @@ class SimRequest:
             or v.num_tokens != self.num_tokens
             or v.num_computed_tokens != self.num_computed_tokens
             or v.num_blocks != len(self.block_table)
+            or v.num_draft_tokens != self.draft_count
+            or v.draft_acceptance != self.draft_acceptance
         ):
             v = self._view = SeqView(
                 self.request_id,
@@ -88,5 +93,7 @@ class SimRequest:
                 slo=self.slo,
                 first_token_time=self.token_times[0] if self.token_times else None,
                 num_output_tokens=len(self.token_times),
+                num_draft_tokens=self.draft_count,
+                draft_acceptance=self.draft_acceptance,
             )
         return v

@@ -1,0 +1,117 @@
+"""Speculative decoding on the modeled device: which decoding rows have drafts on offer and how
+many of them hold, drawn from an acceptance trace measured on a real model; which of them a step
+verifies, by the engine's own rule (sched/drafts.py, priced by the same performance model), and
+its estimates kept by the engine's own tallies. The verify rows' cost is the performance
+model's (a decode row of 1 + k tokens)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from bulletserve.bookkeeping.single_step import SingleStep
+from bulletserve.sched.drafts import DraftTallies
+from bulletserve.sim.request import SimRequest
+from bulletserve.spec.config import SpeculativeConfig
+from bulletserve.spec.counters import SpecCounters
+
+
+@dataclass(frozen=True)
+class AcceptanceTrace:
+    """What a proposer did on a real model: the share of decode rows it offered drafts for,
+    and for each draft position the chance the draft held given the one before it did."""
+
+    proposal_rate: float
+    holds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.proposal_rate <= 1 or not all(0 <= h <= 1 for h in self.holds):
+            raise ValueError("an acceptance trace's proposal rate and holds are chances, in [0, 1]")
+        if not self.holds:
+            raise ValueError("an acceptance trace needs a chance for at least one position")
+
+    @classmethod
+    def parse(cls, text: str) -> AcceptanceTrace:
+        """From `RATE:H1,H2,...` (`--spec-acceptance`), e.g. 0.8:0.9,0.85,0.8,0.75."""
+        rate, sep, holds = text.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            return cls(float(rate), tuple(float(h) for h in holds.split(",")))
+        except ValueError as exc:
+            detail = f": {exc}" if str(exc) else ""
+            raise ValueError(
+                f"--spec-acceptance takes RATE:H1,H2,... (chances in [0, 1]), not {text!r}{detail}"
+            ) from None
+
+    @classmethod
+    def of_counters(cls, counters: SpecCounters, decode_rows: int) -> AcceptanceTrace:
+        """From a run's counters (`vllm:spec_decode_*`) and the decode rows it ran."""
+        if not counters.num_drafts or not decode_rows:
+            raise ValueError("a trace needs a run that verified drafts")
+        held = [counters.num_drafts, *counters.accepted_per_position]
+        holds = tuple(
+            after / before if before else 0.0 for before, after in zip(held, held[1:], strict=False)
+        )
+        return cls(min(1.0, counters.num_drafts / decode_rows), holds)
+
+
+class SimSpeculation:
+    """Drafts for the simulated requests and their verification (`verify`)."""
+
+    def __init__(self, config: SpeculativeConfig, trace: AcceptanceTrace, seed: int) -> None:
+        self.config = config
+        self.trace = trace
+        self._random = random.Random(seed)
+        self.tallies = DraftTallies()
+        self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._known: set[str] = set()
+
+    def propose(self, running: list[SimRequest]) -> None:
+        """Offer drafts to the decoding requests, as many as the engine's proposer would be
+        allowed (its max_tokens and the step's `num_speculative_tokens`) where the trace's
+        proposal rate draws one."""
+        self.tallies.step_started()
+        live = set()
+        for request in running:
+            live.add(request.request_id)
+            request.draft_count = 0
+            if request.num_computed_tokens != request.num_tokens - 1 or not request.token_times:
+                continue
+            room = min(
+                self.config.num_speculative_tokens,
+                request.output_len - len(request.token_times) - 1,
+            )
+            if room <= 0 or self._random.random() >= self.trace.proposal_rate:
+                continue
+            request.draft_count = room
+            request.draft_acceptance = self.tallies.estimate(request.request_id)
+        for gone in self._known - live:
+            self.tallies.forget(gone)
+        self._known = live
+
+    def verify(self, step: SingleStep[SimRequest]) -> list[tuple[SimRequest, int, int]]:
+        """The step's rows that verified drafts: (request, drafts, accepted), each position
+        drawn in turn from the trace until one does not hold."""
+        verified = []
+        holds = self.trace.holds
+        counters = self.counters
+        for request, num in step.batch:
+            drafts = num - 1
+            if request.draft_count <= 0 or drafts <= 0:
+                continue
+            accepted = 0
+            while accepted < drafts:
+                held = self._random.random() < holds[min(accepted, len(holds) - 1)]
+                self.tallies.record(request.request_id, held)
+                if not held:
+                    break
+                counters.accepted_per_position[accepted] += 1
+                accepted += 1
+            counters.num_drafts += 1
+            counters.num_draft_tokens += drafts
+            counters.num_accepted_tokens += accepted
+            verified.append((request, drafts, accepted))
+        for request, _ in step.batch:
+            request.draft_count = 0
+        return verified
