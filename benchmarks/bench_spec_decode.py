@@ -11,6 +11,9 @@ rounded after GEMMs over more rows than a decode row's).
 
     .venv/bin/python benchmarks/bench_spec_decode.py --repeats 5 --max-tokens 128
 
+Each speculating engine's line is followed by its acceptance as `bullet simulate
+--spec-acceptance` takes it (the share of decode rows it drafted for, each position's chance).
+
 `--model FOLDER --load-format dummy` runs a model of that folder's shape with random weights,
 whose drafts are (almost) never accepted: what speculation costs where it never pays.
 
@@ -25,6 +28,7 @@ import time
 
 from bulletserve import LLM, SamplingParams
 from bulletserve.accuracy.perplexity import TEXTS
+from bulletserve.sim.speculation import AcceptanceTrace
 
 QUESTIONS = [
     "Write a short story about a robot who learns to paint.",
@@ -93,6 +97,7 @@ def main() -> None:
     for name in ("grounded", "chat-like"):
         rates: dict[str, list[tuple[float, float]]] = {label: [] for label in engines}
         parted: dict[str, list[int]] = {label: [] for label in engines}
+        made: dict[str, int] = {label: 0 for label in engines}  # output tokens
         before = {label: llm.engine.executor.spec_counters() for label, llm in engines.items()}
         for run in range(args.repeats):
             messages = grounded(run, args.passage_chars) if name == "grounded" else chat_like(run)
@@ -100,6 +105,7 @@ def main() -> None:
             for label, llm in engines.items():
                 *rate, got = timed(llm, messages, params)
                 rates[label].append(tuple(rate))
+                made[label] += len(got)
                 want = got if want is None else want
                 if got != want:
                     parted[label].append(
@@ -112,6 +118,9 @@ def main() -> None:
                 continue
             out_on, dec_on = (statistics.median(r[i] for r in rates[label]) for i in (0, 1))
             run = llm.engine.executor.spec_counters() - before[label]
+            # Each decode row made its accepted drafts and one token; the first came of the
+            # prompt's step.
+            decode_rows = made[label] - args.repeats - run.num_accepted_tokens
             print(
                 f"  {label}: output tok/s {out_on:.1f} ({out_on / out_off:.2f}x), decode tok/s "
                 f"{dec_on:.1f} ({dec_on / dec_off:.2f}x); acceptance "
@@ -121,6 +130,9 @@ def main() -> None:
                 f"{len(parted[label])} of {args.repeats} runs"
                 + (f" (at tokens {parted[label]})" if parted[label] else "")
             )
+            if run.num_drafts:
+                trace = AcceptanceTrace.of_counters(run, decode_rows).flag()
+                print(f"    bullet simulate --spec-acceptance {trace}")
     for llm in engines.values():
         llm.close()
 

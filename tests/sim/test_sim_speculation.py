@@ -65,6 +65,8 @@ def test_the_trace_is_read_from_flags_and_from_a_runs_counters():
     measured = AcceptanceTrace.of_counters(counters, decode_rows=20)
     assert measured.proposal_rate == 0.5
     assert measured.holds == pytest.approx((0.9, 8 / 9, 6 / 8, 4 / 6))
+    short = AcceptanceTrace.of_counters(SpecCounters(10, 20, 3, [3, 0, 0]), decode_rows=10)
+    assert short.holds == pytest.approx((0.3, 0.0))  # the third position was never reached
     for bad in ("0.8", "2:0.5", "0.5:x", "0.5:"):
         with pytest.raises(ValueError, match="spec-acceptance|chances"):
             AcceptanceTrace.parse(bad)

@@ -44,14 +44,19 @@ class AcceptanceTrace:
                 f"--spec-acceptance takes RATE:H1,H2,... (chances in [0, 1]), not {text!r}{detail}"
             ) from None
 
+    def flag(self) -> str:
+        """As `--spec-acceptance` takes it."""
+        return f"{self.proposal_rate:.3f}:" + ",".join(f"{h:.3f}" for h in self.holds)
+
     @classmethod
     def of_counters(cls, counters: SpecCounters, decode_rows: int) -> AcceptanceTrace:
         """From a run's counters (`vllm:spec_decode_*`) and the decode rows it ran."""
         if not counters.num_drafts or not decode_rows:
             raise ValueError("a trace needs a run that verified drafts")
+        # Positions no verified draft reached are left out: the last measured chance serves.
         held = [counters.num_drafts, *counters.accepted_per_position]
         holds = tuple(
-            after / before if before else 0.0 for before, after in zip(held, held[1:], strict=False)
+            after / before for before, after in zip(held, held[1:], strict=False) if before
         )
         return cls(min(1.0, counters.num_drafts / decode_rows), holds)
 
