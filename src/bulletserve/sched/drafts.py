@@ -2,7 +2,8 @@
 step.
 
 A decode token costs a share of the step that makes it: the decode rows' time (the
-performance model's estimate) over the tokens they make. A verified draft adds its row's time
+performance model's estimate, plus the engine's own time around a step, measured) over the
+tokens they make. A verified draft adds its row's time
 and, where a request's drafts each hold with probability a given that the one before held, its
 j-th draft makes a^j tokens on average. The rule takes drafts, the most likely first, as far as
 they lower the cost of a decode token: where the step's fixed cost dominates (one stream on a
@@ -10,9 +11,9 @@ CPU, a small batch on a GPU), a few more rows barely lengthen it and nearly ever
 verified; where it computes rather than reads, a row costs as much as the token it might save
 and only near-certain drafts pay (vLLM's own measurements: speculation 1.4-1.8x slower at high
 request rates). Prompt chunks in the same step are left out of the sum: their work is the same
-with or without drafts beside them (a step that carried them priced drafts against them, and
-verified none where drafts paid, measured). Drafts only take the token budget the step's needed
-work left, never displacing a prompt chunk.
+with or without drafts beside them, and weighed in they would make drafts look dearer in just
+the steps that carry them. Drafts only take the token budget the step's needed work left,
+never displacing a prompt chunk.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class DraftRule:
         best_rate = num_rows / (host_s + self.step_time(contexts, [0] * num_rows))
         worth = float(num_rows)
         # The step's rate is checked at counts of the best offers half as many again each
-        # (1, 2, 3, 4, 6, 9, ...) and at all of them: a few estimates a step for the peak of a
+        # (1, 2, 3, 5, 8, 12, ...) and at all of them: a few estimates a step for the peak of a
         # concave gain over a convex cost.
         taken = 0
         for count in _counts_to_check(len(offers)):
