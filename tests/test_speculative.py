@@ -251,12 +251,13 @@ def test_the_ngram_index_proposes_what_followed_the_longest_recent_match():
     assert NgramIndex(2, 2).propose(3) == []
 
 
+@pytest.mark.parametrize("engines", ["chunked"], indirect=True)  # verification is shared
 def test_suffix_decoding_outputs_equal_without_speculation_and_draft_from_past_outputs(
     engines, tiny_llama_dir
 ):
-    """The suffix trie's drafts verified exactly as the n-gram's (greedy, many streams, either
-    policy); its global trie then holds the finished requests' outputs, and a request repeating
-    one is drafted from it."""
+    """The suffix trie's drafts verified exactly as the n-gram's (greedy, many streams; the
+    verification is the one the n-gram's tests hold under both policies); its global trie then
+    holds the finished requests' outputs, and a request repeating one is drafted from it."""
     plain, _ = engines
     policy = plain.engine.config.policy
     spec = tiny_llm(tiny_llama_dir, policy=policy, speculative_config=SUFFIX)
