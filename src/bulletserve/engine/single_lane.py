@@ -304,8 +304,11 @@ class SingleLane:
         flight.accepted = flight.step.draft_tokens - sum(rejected.values())
         if self.perf is not None:
             es, phase = flight.step.execution_state(self.units)
-            prediction = self.perf.predict(es)
-            flight.predicted = prediction.prefill_s if phase == "prefill" else prediction.decode_s
+            if parts.step_log:  # the estimate the step was planned by, for its line
+                prediction = self.perf.predict(es)
+                flight.predicted = (
+                    prediction.prefill_s if phase == "prefill" else prediction.decode_s
+                )
             self.perf.observe(es, phase, flight.measured)
         self._close(flight, rejected)
         self._log_step(flight)

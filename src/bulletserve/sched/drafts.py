@@ -90,14 +90,16 @@ class DraftTallies:
         self._prior = FIRST_PRIOR
 
     def step_started(self) -> None:
-        """A step is being planned: the evidence fades by a step."""
+        """A step is being planned: every tally's evidence fades by a step, whether its
+        request was offered drafts in it or not."""
         self.overall.fade()
+        for tally in self._by_request.values():
+            tally.fade()
         self._prior = self.overall.mean()
 
     def estimate(self, request_id: str) -> float:
-        """A decoding request's estimate for this step (its evidence fading by a step)."""
+        """A decoding request's estimate for this step."""
         tally = self._by_request.setdefault(request_id, AcceptanceTally())
-        tally.fade()
         return tally.estimate(self._prior)
 
     def record(self, request_id: str, held: bool) -> None:

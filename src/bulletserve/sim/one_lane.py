@@ -61,7 +61,8 @@ def run_single_lane(
         now += step_elapsed_s(timing.measured_s, timing.host_s, host_overlap)
         host_s = timing.host_s
         if corrects:
-            perf.observe(*step.execution_state(units), timing.measured_s)
+            phase = "prefill" if timing.state.has_prefill else "decode"
+            perf.observe(timing.state, phase, timing.measured_s)
         rejected: dict[str, int] = {}
         accepted = None
         if speculation is not None:
