@@ -24,18 +24,7 @@ from bulletserve.engine.sampler import Sampler
 from bulletserve.sched.drafts import DraftTallies
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
-from bulletserve.spec.ngram import NgramIndex
-from bulletserve.spec.suffix import SuffixCache, SuffixDrafter
-
-Drafter = NgramIndex | SuffixDrafter
-
-
-class _Drafting:
-    """A request's drafting state: the request and its proposer's index of its tokens."""
-
-    def __init__(self, request: Request, drafter: Drafter) -> None:
-        self.request = request
-        self.drafter = drafter
+from bulletserve.spec.proposer import Proposer
 
 
 class Speculator:
@@ -44,14 +33,10 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self._drafting: dict[str, _Drafting] = {}
+        self.proposer = Proposer(config)
+        self._drafting: dict[str, Request] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.tallies = DraftTallies()
-        self._suffix_cache = None
-        if config.method == "suffix":
-            self._suffix_cache = SuffixCache(
-                config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
-            )
 
     def propose(self, running: list[Request]) -> None:
         """Set each decoding request's drafts (none for a prefilling one), no more than its
@@ -67,42 +52,23 @@ class Speculator:
                 or not request.output_token_ids
             ):
                 continue
-            room = min(
-                self.config.num_speculative_tokens,
-                request.params.max_tokens - len(request.output_token_ids) - 1,
-                self.max_model_len - request.num_tokens - 1,
+            room = self.proposer.room(
+                len(request.output_token_ids),
+                request.params.max_tokens,
+                request.num_tokens,
+                self.max_model_len,
             )
             if room <= 0:
                 continue
-            drafting = self._drafting.get(request.request_id)
-            if drafting is None:
-                drafter = self._drafter(request.prompt_token_ids)
-                drafting = self._drafting[request.request_id] = _Drafting(request, drafter)
-            drafter = drafting.drafter
-            drafter.extend(
-                request.output_token_ids[len(drafter.tokens) - len(request.prompt_token_ids) :]
+            self._drafting[request.request_id] = request
+            request.draft_token_ids = self.proposer.propose(
+                request.request_id, request.prompt_token_ids, request.output_token_ids, room
             )
-            request.draft_token_ids = drafter.propose(room)
             request.draft_acceptance = self.tallies.estimate(request.request_id)
         for request_id in [r for r in self._drafting if r not in live]:
-            gone = self._drafting.pop(request_id).request
+            gone = self._drafting.pop(request_id)
             self.tallies.forget(request_id)
-            if self._suffix_cache is not None and gone.is_finished:
-                self._suffix_cache.add(list(gone.output_token_ids))
-
-    def _drafter(self, prompt: list[int]) -> Drafter:
-        """A new request's proposer, its prompt indexed."""
-        config = self.config
-        if self._suffix_cache is not None:
-            return SuffixDrafter(
-                prompt,
-                self._suffix_cache,
-                config.suffix_decoding_max_spec_factor,
-                config.suffix_decoding_min_token_prob,
-            )
-        index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-        index.extend(prompt)
-        return index
+            self.proposer.forget(request_id, gone.output_token_ids if gone.is_finished else None)
 
     @torch.inference_mode()
     def verify(
