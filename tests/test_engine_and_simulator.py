@@ -20,6 +20,7 @@ from bulletserve.sim.clock import VirtualClock
 from bulletserve.sim.device import CachedPerfModel, Noise
 from bulletserve.sim.device_presets import load_model_config
 from bulletserve.sim.request import SimRequest
+from bulletserve.sim.speculation import AcceptanceTrace
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 256
@@ -44,6 +45,10 @@ def _requests(count: int, rate: float, seed: int) -> list[tuple[str, float, list
     return out
 
 
+# " red", " green", " blue" in the default model's tokenizer, which the tiny models share.
+THREE_TOKENS = {2382: 60.0, 2654: 60.0, 4461: 60.0}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
 # A mixed workload: every third request interactive (first in the queue, tight targets), the
 # rest batch (loose targets).
 INTERACTIVE = ServiceClass(0, SLO(1.0, 8.0, 10.0), "interactive")
@@ -64,7 +69,11 @@ def _engine_steps(
     kv_blocks=None,
     services=None,
     max_queue_delay_ms=None,
+    speculative_config=None,
+    outputs=None,
 ):
+    """The engine's step log and the engine, run to the end; `outputs` (where given) gets
+    each request's output tokens."""
     profile_path = tmp_path / "profile.json"
     profile.save(profile_path)
     log = tmp_path / "engine.steps.jsonl"
@@ -86,6 +95,7 @@ def _engine_steps(
         step_log=str(log),
         scheduling_policy="priority" if services else "fcfs",
         max_queue_delay_ms=max_queue_delay_ms,
+        speculative_config=speculative_config,
     )
     if kv_blocks is not None:  # a pool that small makes the policies preempt
         per_token = load_model_config(str(model_dir / "config.json")).kv_bytes_per_token(4)
@@ -94,21 +104,24 @@ def _engine_steps(
     clock = VirtualClock(perf, Noise(0.0, 0))
     engine = create_engine(config, clock)
     services = services or [ServiceClass()] * len(requests)
+    # Under speculation a bias holds the outputs to three tokens, so that drafts hold.
+    bias = THREE_TOKENS if speculative_config else None
+    outputs = {} if outputs is None else outputs
     try:
         if policy == "bullet":
-            _drive_lanes(engine, clock, requests, services)
+            _drive_lanes(engine, clock, requests, services, bias, outputs)
         else:
-            _drive_one_lane(engine, clock, requests, services)
+            _drive_one_lane(engine, clock, requests, services, bias, outputs)
     finally:
         engine.close()
     return read_step_log(log), engine
 
 
-def _params(output_len: int) -> SamplingParams:
-    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+def _params(output_len: int, bias: dict[int, float] | None) -> SamplingParams:
+    return SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, logit_bias=bias)
 
 
-def _drive_lanes(engine, clock, requests, services) -> None:
+def _drive_lanes(engine, clock, requests, services, bias, outputs) -> None:
     """Each request added at its arrival; the lanes run on the clock until all are done."""
     clock.enter("driver")
     try:
@@ -118,31 +131,45 @@ def _drive_lanes(engine, clock, requests, services) -> None:
             requests, services, strict=True
         ):
             clock.sleep_until(arrival)
-            engine.add_request(prompt, _params(output_len), request_id, clock.now(), service)
+            params = _params(output_len, bias)
+            engine.add_request(prompt, params, request_id, clock.now(), service)
         while engine.has_unfinished() and clock.now() < 600:
             clock.sleep_until(clock.now() + 0.25)
-            engine.step()
+            _keep(engine.step(), outputs)
+        _keep(engine.step(), outputs)
     finally:
         clock.leave()
 
 
-def _drive_one_lane(engine, clock, requests, services) -> None:
+def _drive_one_lane(engine, clock, requests, services, bias, outputs) -> None:
     """As the simulator's single lane: arrivals up to now, a step; nothing to run, the next
     arrival."""
     pending = list(zip(requests, services, strict=True))
     while pending or engine.has_unfinished():
         while pending and pending[0][0][1] <= clock.now():
             (request_id, arrival, prompt, output_len), service = pending.pop(0)
-            engine.add_request(prompt, _params(output_len), request_id, arrival, service)
+            engine.add_request(prompt, _params(output_len, bias), request_id, arrival, service)
         before = clock.now()
-        engine.step()
+        _keep(engine.step(), outputs)
         if clock.now() == before:
             assert pending, "the engine stalled"
             clock.time = pending[0][0][1]
 
 
+def _keep(step_outputs, outputs) -> None:
+    for output in step_outputs:
+        outputs[output.request_id] = output.token_ids
+
+
 def _sim_config(
-    profile_path, policy, partition, model_dir, num_blocks, mixed=False, max_queue_delay_ms=None
+    profile_path,
+    policy,
+    partition,
+    model_dir,
+    num_blocks,
+    mixed=False,
+    max_queue_delay_ms=None,
+    speculative_config=None,
 ):
     return SimConfig(
         scheduling_policy="priority" if mixed else "fcfs",
@@ -159,6 +186,9 @@ def _sim_config(
         max_num_batched_tokens=512,
         max_model_len=MAX_MODEL_LEN,
         num_gpu_blocks_override=num_blocks,
+        speculative_config=speculative_config,
+        # Every request's output is replayed (`outputs`): the trace stands for none of them.
+        spec_acceptance=AcceptanceTrace(0.0, (0.0,)) if speculative_config else None,
     )
 
 
@@ -172,10 +202,22 @@ def _sim_steps(
     num_blocks,
     services=None,
     max_queue_delay_ms=None,
+    speculative_config=None,
+    outputs=None,
 ):
+    """The simulator's step log; with `outputs` (the engine's), each request's prompt and
+    output are replayed, so speculation's drafts are the engine's proposer's and hold as
+    they did in the engine."""
     profile_path = tmp_path / "profile.json"
     config = _sim_config(
-        profile_path, policy, partition, model_dir, num_blocks, bool(services), max_queue_delay_ms
+        profile_path,
+        policy,
+        partition,
+        model_dir,
+        num_blocks,
+        bool(services),
+        max_queue_delay_ms,
+        speculative_config,
     )
     env = setup(config)
     services = services or [ServiceClass(slo=SLO_MS)] * len(requests)
@@ -185,6 +227,10 @@ def _sim_steps(
             zip(requests, services, strict=True)
         )
     ]
+    for request, (_, _, prompt, _) in zip(sim_requests, requests, strict=True):
+        if outputs is not None:
+            request.prompt_token_ids = tuple(prompt)
+            request.output_token_ids = tuple(outputs[request.request_id])
     log = tmp_path / "sim.steps.jsonl"
     with log.open("w") as handle:
         simulate_requests(config, env, make_sim_policy(config, env), sim_requests, 1.0, handle)
@@ -272,3 +318,32 @@ def test_they_shed_alike_past_the_queue_delay(tiny_llama_dir, tmp_path, policy):
         tmp_path, hw, policy, "auto", requests, tiny_llama_dir, num_blocks, None, 150.0
     )
     assert _decisions(steps) == _decisions(sim)
+
+
+@pytest.mark.parametrize("policy, adaptive", [("bullet", True), ("chunked", False)])
+def test_they_speculate_alike(tiny_llama_dir, tmp_path, policy, adaptive):
+    """Speculative decoding on: the simulator replays each request's prompt and the engine's
+    output, so its drafts are the engine's proposer's and hold where the engine's did; both
+    verify the same drafts in the same steps (Bullet's decode lane by the draft rule, priced
+    by the performance model on the units the split gives it; chunked every draft: the
+    one-lane rule also prices the engine's own time per step, measured on the wall clock)."""
+    requests = _requests(24, rate=6.0, seed=3)
+    hw = PROFILES["sharing"]
+    spec = NGRAM | {"adaptive": adaptive}
+    outputs: dict[str, list[int]] = {}
+    steps, engine = _engine_steps(
+        tiny_llama_dir, tmp_path, hw, policy, "auto", requests, speculative_config=spec,
+        outputs=outputs,
+    )  # fmt: skip
+    counters = engine.executor.spec_counters()
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    sim = _sim_steps(
+        tmp_path, hw, policy, "auto", requests, tiny_llama_dir, engine.pool.num_blocks,
+        speculative_config=spec, outputs=outputs,
+    )  # fmt: skip
+
+    def speculated(records):
+        return [(s.draft_tokens, s.accepted_tokens) for s in records]
+
+    assert _decisions(steps) == _decisions(sim)
+    assert speculated(steps) == speculated(sim)

@@ -72,18 +72,19 @@ def test_the_trace_is_read_from_flags_and_from_a_runs_counters():
             AcceptanceTrace.parse(bad)
 
 
-def test_speculation_needs_a_trace_and_one_lane():
+def test_speculation_needs_a_trace():
     trace = AcceptanceTrace(0.5, (0.5,))
     with pytest.raises(ValueError, match="--spec-acceptance"):
         SimConfig(hardware="h200", model="llama-3.1-8b", speculative_config=NGRAM)
     with pytest.raises(ValueError, match="without --speculative-config"):
         SimConfig(hardware="h200", model="llama-3.1-8b", spec_acceptance=trace)
-    with pytest.raises(ValueError, match="Bullet"):
-        SimConfig(
-            hardware="h200",
-            model="llama-3.1-8b",
-            policy="bullet",
-            slo=SLO(3.0, 150.0),
-            speculative_config=NGRAM,
-            spec_acceptance=trace,
-        )
+
+
+def test_bullets_decode_lane_verifies_drafts_and_every_request_makes_its_output():
+    off = _run(0.5, policy="bullet")
+    trace = AcceptanceTrace(0.9, (0.8, 0.75, 0.7, 0.7))
+    on = _run(0.5, policy="bullet", speculative_config=NGRAM, spec_acceptance=trace)
+    assert _outputs(on) == _outputs(off)
+    spec = on["spec_decode"]
+    assert spec["num_drafts"] > 0 and 2.0 < spec["mean_acceptance_length"] < 4.0
+    assert on["tpot_ms"]["mean"] < 0.7 * off["tpot_ms"]["mean"]

@@ -96,6 +96,7 @@ class LaneStep(Generic[E]):
     cached: tuple[int, ...] = ()  # prefill: the pass's tokens in the cache before it
     fused: list[E] = field(default_factory=list)
     fused_ctx: tuple[int, ...] = ()
+    drafts: tuple[int, ...] = ()  # decode: each row's drafts to verify (empty: none anywhere)
     state: ExecutionState = field(default_factory=ExecutionState)
 
     def record(
@@ -104,8 +105,11 @@ class LaneStep(Generic[E]):
         measured_s: float,
         predicted_s: float | None,
         runner_s: float | None = None,
+        accepted_tokens: int | None = None,
     ) -> StepRecord:
-        """The step as the step log records it, under the split it started under."""
+        """The step as the step log records it, under the split it started under;
+        `accepted_tokens`: under speculative decoding, of a decode step's drafts those
+        accepted."""
         prefill = self.lane == "prefill"
         return StepRecord(
             time=time,
@@ -121,6 +125,8 @@ class LaneStep(Generic[E]):
             predicted_s=predicted_s,
             measured_s=measured_s,
             runner_s=runner_s,
+            draft_tokens=None if accepted_tokens is None else sum(self.drafts),
+            accepted_tokens=accepted_tokens,
         )
 
 
@@ -305,18 +311,23 @@ class LaneCore(Generic[E]):
 
     def start_decode(self, plan: BulletPlan) -> LaneStep[E]:
         """Claim the decode lane's units for the plan's rows (after its preemptions), with KV
-        for their next tokens; the rows are busy until the step ends."""
+        for their next tokens and the drafts each verifies; the rows are busy until the step
+        ends."""
         by_id = {r.request_id: r for r in self.book.running}
         requests = [by_id[s.request_id] for s in plan.decode]
-        for request in requests:
-            self.book.grow_blocks(request, request.num_tokens)
+        drafts = tuple(
+            min(s.num_tokens - 1, r.num_draft_tokens)
+            for s, r in zip(plan.decode, requests, strict=True)
+        )
+        for request, count in zip(requests, drafts, strict=True):
+            self.book.grow_blocks(request, request.num_tokens + count)
         self.book.busy.update(r.request_id for r in requests)
         lengths = tuple(r.num_tokens for r in requests)
         placement = self.placement("decode", plan.split)
         units = placement.count(self.total)
-        return self._start(
-            LaneStep("decode", plan.split, placement, units, requests, lengths=lengths)
-        )
+        step = LaneStep("decode", plan.split, placement, units, requests, lengths=lengths)
+        step.drafts = drafts if any(drafts) else ()
+        return self._start(step)
 
     def release_units(self, lane: Lane) -> None:
         """The lane's step is done on the device: the other lane may start on its units while
@@ -325,15 +336,20 @@ class LaneCore(Generic[E]):
         assert step is not None
         step.holds = False
 
-    def end_step(self, lane: Lane) -> LaneStep[E]:
-        """Release the lane's units; a decode step's rows have computed their token and are no
-        longer busy."""
+    def end_step(self, lane: Lane, rejected: Callable[[E], int] = lambda _: 0) -> LaneStep[E]:
+        """Release the lane's units; a decode step's rows have computed their token and the
+        drafts the model accepted (`rejected`: of a row's drafts, those it did not: not
+        counted, their blocks freed) and are no longer busy."""
         step = self.steps[lane]
         assert step is not None
         self.steps[lane] = None
         if lane == "decode":
-            for request in step.requests:
-                request.num_computed_tokens = request.num_tokens
+            drafts = step.drafts or (0,) * len(step.requests)
+            for request, length, count in zip(step.requests, step.lengths, drafts, strict=True):
+                dropped = rejected(request) if count else 0
+                request.num_computed_tokens = length + count - dropped
+                if dropped:
+                    self.book.trim_blocks(request, request.num_computed_tokens + 1)
                 self.book.cache_computed(request)
             self.book.busy.difference_update(r.request_id for r in step.requests)
         else:
@@ -391,6 +407,7 @@ class LaneCore(Generic[E]):
             prefill_units=prefill.units if prefill else 0,
             decode_ctx=decode.lengths if decode else (),
             decode_units=decode.units if decode else 0,
+            decode_drafts=decode.drafts if decode else (),
             prefill_layers=end - start,
             prefill_first_layer=start,
         )

@@ -105,11 +105,6 @@ class EngineConfig(SchedulerConfig):
         if self.speculative_config is not None:
             spec = SpeculativeConfig.parse(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)
-            if self.policy == "bullet":
-                raise ValueError(
-                    "--speculative-config runs with --policy chunked or prefill-first: "
-                    "Bullet's lanes and its performance model do not verify drafts yet"
-                )
             if self.async_scheduling:
                 raise ValueError(
                     "--speculative-config with --async-scheduling is not built yet: a step's "

@@ -33,6 +33,7 @@ from bulletserve.engine.pricing import hardware_profile, perf_model
 from bulletserve.engine.ranks import rank_threads
 from bulletserve.engine.request import Request, RequestOutput, RequestState, TokenLogprob
 from bulletserve.engine.sampler import Sampler
+from bulletserve.engine.speculation import Speculator
 from bulletserve.model.decoder import LogitsBuffer
 from bulletserve.partition import TeamThread, Units, WholeGPU, lane_units
 from bulletserve.partition.cpu import use_one_thread
@@ -43,6 +44,7 @@ from bulletserve.sched.bullet import (
     Split,
     UnitSpace,
 )
+from bulletserve.spec.counters import SpecCounters
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,12 @@ class Lanes:
         self._decode_sampler = Sampler(config.seed + 1)
         # Each lane's logits, in memory of its own reused from step to step.
         self._logits = {"prefill": LogitsBuffer(), "decode": LogitsBuffer()}
+        # Under speculative decoding the decode lane verifies drafts (the prefill lane's fused
+        # rows carry none).
+        speculation = config.speculative_config
+        self.speculator = (
+            None if speculation is None else Speculator(speculation, parts.life.max_model_len)
+        )
 
     def _make_policy(self, parts: EngineParts) -> BulletPolicy:
         self.units: Units = lane_units(self.device, rank_threads(self.config), self._team)
@@ -108,7 +116,15 @@ class Lanes:
         units = UnitSpace(
             self.units.total, self.units.granularity, self.units.min_units, self.units.min_remainder
         )
-        policy = make_policy(config, config.slo, self.perf, units, self.model_config.num_layers)
+        spec = config.speculative_config
+        policy = make_policy(
+            config,
+            config.slo,
+            self.perf,
+            units,
+            self.model_config.num_layers,
+            price_drafts=spec is None or spec.adaptive,
+        )
         assert isinstance(policy, BulletPolicy)
         return policy
 
@@ -149,8 +165,9 @@ class Lanes:
             "decode": (split.decode, self.prediction_error.get("decode")),
         }
 
-    def spec_counters(self) -> None:
-        return None  # Bullet's lanes do not speculate yet (EngineConfig refuses it)
+    def spec_counters(self) -> SpecCounters | None:
+        with self._state:
+            return None if self.speculator is None else self.speculator.counters.copy()
 
     def step_times(self) -> dict[str, tuple[float, float]]:
         return dict(self._step_times)
@@ -235,19 +252,23 @@ class Lanes:
         return self.core.plan(lane, self.clock.now(), self.perf.corrections)
 
     def _hand_over(self, rows: Iterable[tuple[Request, Sampled]]) -> None:
-        """Hand the tokens a step sampled to the requests' life and emit their outputs; a
-        request that ran to its end feeds the window of recent TPOTs."""
+        """Hand the tokens a step sampled to the requests' life and emit their outputs."""
         now = self.clock.now()
         for request, (token, logprob) in rows:
             self.life.append_token(request, token, logprob, now)
-            t = request.timings
-            if request.state is RequestState.FINISHED and t.first_token is not None:
-                outputs = len(request.output_token_ids)
-                self.core.window.finished(
-                    (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None,
-                    request.service.slo,
-                )
-            self._emit(self.life.output(request))
+            self._advanced(request)
+
+    def _advanced(self, request: Request) -> None:
+        """Emit the output of a request whose life took a step's tokens; one that ran to its
+        end feeds the window of recent TPOTs."""
+        t = request.timings
+        if request.state is RequestState.FINISHED and t.first_token is not None:
+            outputs = len(request.output_token_ids)
+            self.core.window.finished(
+                (t.finished - t.first_token) / (outputs - 1) if outputs > 1 else None,
+                request.service.slo,
+            )
+        self._emit(self.life.output(request))
 
     def _emit(self, output: RequestOutput) -> None:
         self._unhanded += 1
@@ -289,7 +310,13 @@ class Lanes:
                 self.core.release_units(step.lane)
                 self.clock.notify_all(self._state)
 
-    def _log_step(self, step: LaneStep[Request], measured: float, runner_s: float) -> None:
+    def _log_step(
+        self,
+        step: LaneStep[Request],
+        measured: float,
+        runner_s: float,
+        accepted: int | None = None,
+    ) -> None:
         """Feed the online correction and write the step log: what ran when the step started,
         under the split it started under (the other lane may have planned a new one since)."""
         es, lane = step.state, step.lane
@@ -307,7 +334,7 @@ class Lanes:
                 (1 - STEP_TIME_WEIGHT) * old[1] + STEP_TIME_WEIGHT * measured,
             )
         if self.step_log:
-            record = step.record(self.clock.now(), measured, predicted, runner_s)
+            record = step.record(self.clock.now(), measured, predicted, runner_s, accepted)
             write_step(self.step_log, record)
             self.step_log.flush()
 
@@ -435,6 +462,8 @@ class Lanes:
                 if not core.may_plan("decode"):
                     self._wait("decode")
                     continue
+                if self.speculator is not None:
+                    self.speculator.propose(self.book.running)
                 plan = self._plan("decode")
                 for request in self.book.preempt(plan.preempted):
                     request.state = RequestState.WAITING
@@ -442,7 +471,11 @@ class Lanes:
                     self._wait("decode")
                     continue
                 step = core.start_decode(plan)
-                works = [_decode_work(r) for r in step.requests]
+                drafts = step.drafts or (0,) * len(step.requests)
+                works = [_decode_work(r, d) for r, d in zip(step.requests, drafts, strict=True)]
+            if self.speculator is not None:
+                self._verify_step(step, works)
+                continue
             (sampled, runner_s), measured = self._on_units(
                 step, partial(self._decode_step, works, step.requests)
             )
@@ -458,7 +491,42 @@ class Lanes:
                 self._hand_over(alive)
                 self.clock.notify_all(self._state)
 
+    def _verify_step(self, step: LaneStep[Request], works: list[SeqWork]) -> None:
+        """A decode step under speculative decoding: the forward on the lane's units, then,
+        under the state lock, each row's tokens drawn position by position as far as its
+        drafts hold (`Speculator.verify`: every draw reads its request's output so far, which
+        the prefill lane's bookkeeping may touch) and the step counted."""
+        assert self.speculator is not None
+        (logits, rows, runner_s), measured = self._on_units(
+            step, partial(self._verify_forward, works, step.requests)
+        )
+        with self._state:
+            aborted = {r.request_id for r in step.requests if r.is_finished}
+            rejected = self.speculator.verify(
+                rows, logits, self._decode_sampler, self.life, self.clock.now()
+            )
+            self.core.end_step("decode", lambda request: rejected.get(request.request_id, 0))
+            accepted = sum(step.drafts) - sum(rejected.values())
+            self._log_step(step, measured, runner_s, accepted)
+            for request in step.requests:
+                if request.is_finished:
+                    self.book.release_blocks(request)
+                if request.request_id not in aborted:
+                    self._advanced(request)
+            self.clock.notify_all(self._state)
 
-def _decode_work(request: Request) -> SeqWork:
-    """A decoding request's share of a step: its last token, on top of its cached context."""
-    return request_work(request, request.num_tokens - 1, request.num_tokens)
+    def _verify_forward(
+        self, works: list[SeqWork], requests: list[Request], placement: Placement
+    ) -> tuple[torch.Tensor, list[Request], float]:
+        """A verify step's logits, each row's request (a verified row's 1 + d in a run) and
+        the seconds the model took."""
+        start = time.perf_counter()
+        logits, order = self.runner.execute(works, self._logits["decode"], "decode", placement)
+        self.units.synchronize()
+        return logits, [requests[work] for work in order], time.perf_counter() - start
+
+
+def _decode_work(request: Request, drafts: int = 0) -> SeqWork:
+    """A decoding request's share of a step: its last token and `drafts` of its drafts, on top
+    of its cached context."""
+    return request_work(request, request.num_tokens - 1, request.num_tokens + drafts)

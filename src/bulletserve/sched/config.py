@@ -73,10 +73,13 @@ def make_policy(
     units: UnitSpace | None = None,
     num_layers: int | None = None,
     drafts: DraftRule | None = None,
+    price_drafts: bool = True,
 ) -> Policy | BulletPolicy:
     """The policy `config` names. Bullet's also needs the SLO, the performance model, the
     device's units and the model's layer count. `drafts`: the one-lane policies' draft rule
-    under speculative decoding (None: every draft the budget leaves room for)."""
+    under speculative decoding (None: every draft the budget leaves room for); Bullet builds
+    its own from its performance model for the units its decode lane gets, unless
+    `price_drafts` is False (every draft)."""
     if config.policy == "chunked":
         return ChunkedPolicy(config.chunk_size, drafts)
     if config.policy == "prefill-first":
@@ -97,4 +100,5 @@ def make_policy(
         partition=mode,
         static_split=static,
         fuse_decode=config.fuse_decode,
+        price_drafts=price_drafts,
     )

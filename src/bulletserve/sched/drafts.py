@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bulletserve.perf.execution_state import fused_step_state
-from bulletserve.perf.model import PerfModel
+from bulletserve.perf.model import Corrections, PerfModel
 
 # Draft positions the server-wide rate counts for in a request's own estimate: a request's
 # first drafts are judged mostly by how drafts fare elsewhere.
@@ -134,13 +134,15 @@ class DraftRule:
     step_time: StepTime
 
     @classmethod
-    def from_perf(cls, perf: PerfModel, units: int) -> DraftRule:
-        """Priced by the performance model for a step on `units` units (its online corrections
-        as they stand at each step)."""
+    def from_perf(
+        cls, perf: PerfModel, units: int, corrections: Corrections | None = None
+    ) -> DraftRule:
+        """Priced by the performance model for a step on `units` units, under `corrections`
+        (None: its online corrections as they stand at each step)."""
 
         def step_time(contexts: list[int], drafts: list[int]) -> float:
             state, _ = fused_step_state([], contexts, units, drafts)
-            return perf.predict(state).decode_s
+            return perf.predict(state, corrections).decode_s
 
         return cls(step_time)
 

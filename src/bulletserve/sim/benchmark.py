@@ -98,11 +98,6 @@ class SimConfig(SchedulerConfig):
                     "--speculative-config in the simulator needs --spec-acceptance: what the "
                     "proposer did on a real model (RATE:H1,H2,...)"
                 )
-            if self.policy == "bullet":
-                raise ValueError(
-                    "speculative decoding under Bullet's lanes is not built yet (the engine "
-                    "refuses it too); use --policy chunked or prefill-first"
-                )
         elif self.spec_acceptance is not None:
             raise ValueError("--spec-acceptance without --speculative-config")
         if self.quantization is not None and self.quantization not in WEIGHT_FORMAT_BITS:
@@ -193,7 +188,15 @@ def make_sim_policy(config: SimConfig, env: SimSetup) -> Policy | BulletPolicy:
     spec = config.speculative_config
     drafts = DraftRule.from_perf(env.perf, hw.units) if spec and spec.adaptive else None
     try:
-        return make_policy(config, config.slo, env.perf, units, env.model.num_layers, drafts)
+        return make_policy(
+            config,
+            config.slo,
+            env.perf,
+            units,
+            env.model.num_layers,
+            drafts,
+            price_drafts=spec is None or spec.adaptive,
+        )
     except ValueError as exc:
         raise SimSetupError(str(exc)) from None
 
@@ -264,9 +267,13 @@ def simulate_requests(
     limits = (config.max_num_seqs, config.max_num_batched_tokens, slowdown)
     speculation = None
     if config.speculative_config is not None and config.spec_acceptance is not None:
-        speculation = SimSpeculation(config.speculative_config, config.spec_acceptance, config.seed)
-    if isinstance(policy, BulletPolicy):  # SimConfig refuses speculation with it
-        end = LanedSimulator(state, policy, env.perf, noise, *limits, config.host_overlap).run()
+        speculation = SimSpeculation(
+            config.speculative_config, config.spec_acceptance, config.seed, env.max_model_len
+        )
+    if isinstance(policy, BulletPolicy):
+        end = LanedSimulator(
+            state, policy, env.perf, noise, *limits, config.host_overlap, speculation
+        ).run()
     else:
         end = run_single_lane(
             state, policy, env.perf, noise, *limits, config.host_overlap, speculation

@@ -15,6 +15,9 @@ On a device slower or faster than the model believes (`slowdown` other than 1), 
 modeled time feeds the policy's online correction as the engine feeds it each measured step
 (`PerfModel.observe`). At 1 there is nothing to learn: the device runs at the model's
 predictions (the engine on the simulator's virtual clock does not observe either).
+
+Under speculative decoding (`speculation`) the decode lane offers drafts before it plans, and a
+verified row makes its accepted drafts and one token more at its step's end, as the engine's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from bulletserve.bookkeeping.record import Lane
 from bulletserve.sched.bullet import BulletPolicy
 from bulletserve.sim.device import CachedPerfModel, ModeledLanes, Noise
 from bulletserve.sim.request import SimRequest
+from bulletserve.sim.speculation import SimSpeculation
 from bulletserve.sim.state import SimState
 
 STALL_POLLS = 10_000  # consecutive polls with nothing stepping and nothing due: a stall
@@ -40,8 +44,10 @@ class LanedSimulator:
         max_prefill_tokens: int,
         slowdown: float = 1.0,
         host_overlap: bool = False,
+        speculation: SimSpeculation | None = None,
     ) -> None:
         self.state, self.perf, self.noise = state, perf, noise
+        self.speculation = speculation
         self.core: LaneCore[SimRequest] = LaneCore(
             state.book, policy, max_num_seqs, max_prefill_tokens
         )
@@ -107,6 +113,8 @@ class LanedSimulator:
         if not core.may_plan(lane):
             self._wait(lane, now)
             return
+        if lane == "decode" and self.speculation is not None:
+            self.speculation.propose(core.book.running)
         plan = core.plan(lane, now, self.perf.corrections)
         if lane == "decode":
             core.book.preempt(plan.preempted)
@@ -120,7 +128,13 @@ class LanedSimulator:
 
     def _end_step(self, lane: Lane, now: float) -> None:
         timing = self.device.end(lane, now)
-        step = self.core.end_step(lane)
+        verified: list[tuple[SimRequest, int, int]] = []
+        running = self.core.steps[lane]
+        if lane == "decode" and self.speculation is not None and running is not None:
+            drafts = running.drafts or (0,) * len(running.requests)
+            verified = self.speculation.verify(zip(running.requests, drafts, strict=True))
+        rejected = {request.request_id: count - held for request, count, held in verified}
+        step = self.core.end_step(lane, lambda request: rejected.get(request.request_id, 0))
         self.device.rerate(now)
         if self.learns:
             # What the policy predicted (under the corrections it planned with) against what
@@ -139,15 +153,29 @@ class LanedSimulator:
                     )
             self._append_tokens(ended.sampled, now)
         elif lane == "decode":
-            self._append_tokens(step.requests, now)
-        self.state.log_step(step.record(now, now - timing.started, timing.busy_s))
+            held = {request.request_id: accepted for request, _, accepted in verified}
+            for request in step.requests:
+                # A verified row's accepted drafts, then its one token more.
+                for _ in range(held.get(request.request_id, 0)):
+                    if self._append_tokens([request], now):
+                        break
+                else:
+                    self._append_tokens([request], now)
+        accepted = None
+        if self.speculation is not None and lane == "decode":
+            accepted = sum(held for _, _, held in verified)
+        record = step.record(now, now - timing.started, timing.busy_s, accepted_tokens=accepted)
+        self.state.log_step(record)
         self.ready.add(lane)
         self._notify()
 
-    def _append_tokens(self, requests: list[SimRequest], now: float) -> None:
-        """The requests' next tokens, at a step's end."""
+    def _append_tokens(self, requests: list[SimRequest], now: float) -> bool:
+        """The requests' next tokens, at a step's end; whether one of them finished."""
+        finished = False
         for request in requests:
             if self.state.append_token(request, now):
+                finished = True
                 times = request.token_times
                 tpot = (now - times[0]) / (len(times) - 1) if len(times) > 1 else None
                 self.core.window.finished(tpot, request.slo)
+        return finished

@@ -67,7 +67,8 @@ def run_single_lane(
         accepted = None
         if speculation is not None:
             accepted = 0
-            for request, drafts, held in speculation.verify(step):
+            rows = [(request, num - 1) for request, num in step.batch]
+            for request, drafts, held in speculation.verify(rows):
                 rejected[request.request_id] = drafts - held
                 accepted += held
                 for _ in range(held + 1):

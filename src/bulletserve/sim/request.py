@@ -33,6 +33,9 @@ class SimRequest:
     # each token is one no other request has, as are generated ones (so the prefix cache finds
     # only what the request itself computed before a preemption).
     prompt_token_ids: tuple[int, ...] | None = None
+    # Its output where known (a real run's, replayed: speculative decoding's drafts are then
+    # the engine's proposer's over it, and held as far as they match it).
+    output_token_ids: tuple[int, ...] | None = None
     priority: int = 0  # lower runs first
     slo: SLO | None = None  # its targets (the run's where the workload gives none)
     slo_class: str | None = None  # its class in a mixed workload
@@ -61,10 +64,12 @@ class SimRequest:
         return 0  # nor has a cache salt
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output: the prompt's own where given, else ids of
-        this request alone (negative, so no real token id equals one)."""
+        """Tokens [start, end) of prompt + output: the prompt's and the output's own where
+        given, else ids of this request alone (negative, so no real token id equals one)."""
         unique = -(self.index + 1) * UNIQUE_TOKEN_SPAN
-        given = self.prompt_token_ids or ()
+        given: tuple[int, ...] = self.prompt_token_ids or ()
+        if given and self.output_token_ids is not None:
+            given += self.output_token_ids
         own = max(start, len(given))
         return [*given[start:end], *range(unique - own, unique - max(own, end), -1)]
 

@@ -1,5 +1,7 @@
 """Speculative decoding on the modeled device: which decoding rows have drafts on offer and how
-many of them hold, drawn from an acceptance trace measured on a real model; which of them a step
+many of them hold, drawn from an acceptance trace measured on a real model, or, for a request
+whose output is known (a real run's, replayed), the engine's own proposer's drafts over it,
+held as far as they match it (what greedy verification accepts); which of them a step
 verifies, by the engine's own rule (sched/drafts.py, priced by the same performance model), and
 its estimates kept by the engine's own tallies. The verify rows' cost is the performance
 model's (a decode row of 1 + k tokens)."""
@@ -7,13 +9,14 @@ model's (a decode row of 1 + k tokens)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from bulletserve.bookkeeping.single_step import SingleStep
 from bulletserve.sched.drafts import DraftTallies
 from bulletserve.sim.request import SimRequest
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
+from bulletserve.spec.proposer import Proposer
 
 
 @dataclass(frozen=True)
@@ -64,50 +67,83 @@ class AcceptanceTrace:
 class SimSpeculation:
     """Drafts for the simulated requests and their verification (`verify`)."""
 
-    def __init__(self, config: SpeculativeConfig, trace: AcceptanceTrace, seed: int) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        trace: AcceptanceTrace,
+        seed: int,
+        max_model_len: int | None = None,
+    ) -> None:
         self.config = config
         self.trace = trace
+        self.max_model_len = max_model_len
         self._random = random.Random(seed)
+        self.proposer = Proposer(config)
         self.tallies = DraftTallies()
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
-        self._known: set[str] = set()
+        self._drafting: dict[str, SimRequest] = {}  # as the engine's Speculator keeps them
+        self._drafts: dict[str, list[int]] = {}  # a replayed request's drafts on offer
 
     def propose(self, running: list[SimRequest]) -> None:
         """Offer drafts to the decoding requests, as many as the engine's proposer would be
-        allowed (its max_tokens and the step's `num_speculative_tokens`) where the trace's
-        proposal rate draws one."""
+        allowed (its max_tokens, the context length and `num_speculative_tokens`): a
+        replayed request the proposer's, any other where the trace's proposal rate draws
+        one."""
         self.tallies.step_started()
         live = set()
+        self._drafts.clear()
         for request in running:
             live.add(request.request_id)
             request.draft_count = 0
             if request.num_computed_tokens != request.num_tokens - 1 or not request.token_times:
                 continue
-            room = min(
-                self.config.num_speculative_tokens,
-                request.output_len - len(request.token_times) - 1,
+            room = self.proposer.room(
+                len(request.token_times), request.output_len, request.num_tokens, self.max_model_len
             )
-            if room <= 0 or self._random.random() >= self.trace.proposal_rate:
+            if room <= 0:
+                continue
+            self._drafting[request.request_id] = request
+            if request.output_token_ids is not None:
+                drafts = self.proposer.propose(
+                    request.request_id,
+                    request.token_ids(0, request.input_len),
+                    request.output_token_ids[: len(request.token_times)],
+                    room,
+                )
+                if not drafts:
+                    continue
+                self._drafts[request.request_id] = drafts
+                room = len(drafts)
+            elif self._random.random() >= self.trace.proposal_rate:
                 continue
             request.draft_count = room
             request.draft_acceptance = self.tallies.estimate(request.request_id)
-        for gone in self._known - live:
-            self.tallies.forget(gone)
-        self._known = live
+        for request_id in [r for r in self._drafting if r not in live]:
+            gone = self._drafting.pop(request_id)
+            self.tallies.forget(request_id)
+            finished = gone.finished_at is not None and gone.output_token_ids is not None
+            self.proposer.forget(request_id, gone.output_token_ids if finished else None)
 
-    def verify(self, step: SingleStep[SimRequest]) -> list[tuple[SimRequest, int, int]]:
-        """The step's rows that verified drafts: (request, drafts, accepted), each position
-        drawn in turn from the trace until one does not hold."""
+    def verify(self, rows: Iterable[tuple[SimRequest, int]]) -> list[tuple[SimRequest, int, int]]:
+        """Of a step's rows (request, drafts it verifies), those that verified drafts:
+        (request, drafts, accepted), each position drawn in turn from the trace until one does
+        not hold. Every row's offer ends with the step."""
         verified = []
         holds = self.trace.holds
         counters = self.counters
-        for request, num in step.batch:
-            drafts = num - 1
+        rows = list(rows)
+        for request, drafts in rows:
             if request.draft_count <= 0 or drafts <= 0:
                 continue
             accepted = 0
+            replayed = self._drafts.get(request.request_id)
             while accepted < drafts:
-                held = self._random.random() < holds[min(accepted, len(holds) - 1)]
+                if replayed is not None:
+                    assert request.output_token_ids is not None
+                    position = len(request.token_times) + accepted
+                    held = replayed[accepted] == request.output_token_ids[position]
+                else:
+                    held = self._random.random() < holds[min(accepted, len(holds) - 1)]
                 self.tallies.record(request.request_id, held)
                 if not held:
                     break
@@ -117,6 +153,6 @@ class SimSpeculation:
             counters.num_draft_tokens += drafts
             counters.num_accepted_tokens += accepted
             verified.append((request, drafts, accepted))
-        for request, _ in step.batch:
+        for request, _ in rows:
             request.draft_count = 0
         return verified

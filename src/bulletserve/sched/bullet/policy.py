@@ -1,7 +1,8 @@
 """Bullet's SLO-aware scheduler (Algorithm 1 of arXiv 2504.19516), pure.
 
 Two lanes run at once: a prefill lane (whole prompts, possibly in layer groups or chunks) and a
-decode lane (every decoding request, one token per step). Each lane asks for a plan at the start
+decode lane (every decoding request, one token per step, and under speculative decoding the
+drafts worth verifying). Each lane asks for a plan at the start
 of its step; the plan says what the lane runs and how the device's units are split between the
 lanes (rules.py). Decisions come from the snapshot and the performance model's predictions
 under the snapshot's corrections, nothing else.
@@ -25,6 +26,7 @@ from bulletserve.sched.bullet.types import (
     Split,
     UnitSpace,
 )
+from bulletserve.sched.drafts import DraftRule
 from bulletserve.sched.slo import SLO
 
 
@@ -43,6 +45,9 @@ class BulletPolicy:
     static_split: Split | None = None
     # Whether a prefill step may carry the decode rows in its own batch (the fused rules).
     fuse_decode: bool = True
+    # Under speculative decoding: whether the decode lane verifies only the drafts the draft
+    # rule finds worth their cost on the units the split gives it (False: every draft).
+    price_drafts: bool = True
     params: BulletParams = field(default_factory=BulletParams)
     rules: tuple[Rule, ...] = RULES
     name: str = "bullet"
@@ -114,7 +119,11 @@ class BulletPolicy:
 
     def plan_decode(self, snap: BulletSnapshot) -> BulletPlan:
         """The decode lane's next step: every decoding request, preempting the newest when the
-        KV pool runs out."""
+        KV pool runs out; under speculative decoding, with the drafts worth verifying.
+
+        The split is chosen for the rows' own tokens. Drafts then ride only where they raise
+        the decode lane's tokens per second on the units it got (`DraftRule`), so the time
+        per output token the split was chosen to keep still holds, in expectation."""
         est = self.estimator(snap.corrections, snap.decoding)
         builder = PlanBuilder(
             SchedulerSnapshot(
@@ -126,10 +135,10 @@ class BulletPolicy:
                 max_num_seqs=max(snap.max_num_seqs, len(snap.decoding)),
                 max_num_batched_tokens=len(snap.decoding),
             ),
-            token_budget=len(snap.decoding),
+            # Drafts may take the step up to the token budget.
+            token_budget=max(len(snap.decoding), snap.max_prefill_tokens),
         )
         builder.schedule_running(chunk=False)
-        plan = builder.build()
         # The split must match what the prefill lane can actually run, or both lanes could
         # wait on each other (decode paused for a prefill that cannot be admitted).
         batch = (
@@ -139,8 +148,17 @@ class BulletPolicy:
         )
         done = snap.prefill.layers_done if snap.prefill else 0
         step = self._next_step(batch, (), done)
-        situation = self.situation(snap, batch, step, bool(plan.scheduled), est)
+        situation = self.situation(snap, batch, step, bool(builder.scheduled), est)
         choice = choose(situation, self.rules)
+        rule = None
+        if self.price_drafts:
+            # The decode lane's units, as the lanes place its step (`LaneCore.placement`).
+            split = choice.split
+            alone = self.partition == "none" or split.prefill == 0
+            units = self.units.total if alone else self.units.total - split.prefill
+            rule = DraftRule.from_perf(self.perf, units, snap.corrections)
+        builder.add_drafts(rule)
+        plan = builder.build()
         return BulletPlan(choice.split, decode=plan.scheduled, preempted=plan.preempted)
 
     def situation(
