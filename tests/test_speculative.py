@@ -208,6 +208,7 @@ def test_the_step_log_carries_each_steps_drafted_and_accepted_tokens(tiny_llama_
         spec.close()
     records = read_step_log(log)
     assert all(r.draft_tokens is not None and r.accepted_tokens is not None for r in records)
+    assert all(0 <= r.propose_s < 1 for r in records)
     assert sum(r.draft_tokens for r in records) == counters.num_draft_tokens
     assert sum(r.accepted_tokens for r in records) == counters.num_accepted_tokens > 0
 
@@ -245,6 +246,7 @@ def test_adaptive_speculation_prices_each_step_and_keeps_the_outputs(
     assert all(r.predicted_s is not None and r.predicted_s > 0 for r in records)
     decode = [r for r in records if r.lane != "prefill"]
     assert sum(r.draft_tokens for r in decode) == counters.num_draft_tokens > 0
+    assert all(r.propose_s is not None for r in decode)
 
 
 def test_the_ngram_index_proposes_what_followed_the_longest_recent_match():

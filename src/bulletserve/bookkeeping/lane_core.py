@@ -106,10 +106,11 @@ class LaneStep(Generic[E]):
         predicted_s: float | None,
         runner_s: float | None = None,
         accepted_tokens: int | None = None,
+        propose_s: float | None = None,
     ) -> StepRecord:
         """The step as the step log records it, under the split it started under;
         `accepted_tokens`: under speculative decoding, of a decode step's drafts those
-        accepted."""
+        accepted, `propose_s` the proposer's seconds for them."""
         prefill = self.lane == "prefill"
         return StepRecord(
             time=time,
@@ -127,6 +128,7 @@ class LaneStep(Generic[E]):
             runner_s=runner_s,
             draft_tokens=None if accepted_tokens is None else sum(self.drafts),
             accepted_tokens=accepted_tokens,
+            propose_s=propose_s,
         )
 
 

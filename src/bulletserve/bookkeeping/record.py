@@ -26,7 +26,8 @@ class StepRecord:
     stepped, as the performance model takes it. `runner_s`: the model's own time within the
     step (the engine's). `layers`: a lane prefill step's layer range. `draft_tokens` and
     `accepted_tokens`: under speculative decoding, the drafts its decode rows verified and those
-    the model accepted."""
+    the model accepted; `propose_s` the proposer's seconds for them before the step was planned
+    (the engine's)."""
 
     time: float
     lane: StepLane
@@ -43,6 +44,7 @@ class StepRecord:
     layers: tuple[int, int] | None = None
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
+    propose_s: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -70,6 +72,7 @@ class StepRecord:
             "runner_s": self.runner_s,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "propose_s": self.propose_s,
         }
         return {k: v for k, v in record.items() if v is not None}
 
@@ -103,6 +106,7 @@ class StepRecord:
             layers=(int(layers[0]), int(layers[1])) if layers is not None else None,
             draft_tokens=data.get("draft_tokens"),
             accepted_tokens=data.get("accepted_tokens"),
+            propose_s=data.get("propose_s"),
         )
 
 

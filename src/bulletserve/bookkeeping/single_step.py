@@ -74,10 +74,11 @@ class SingleStep(Generic[E]):
         measured_s: float,
         predicted_s: float | None = None,
         accepted_tokens: int | None = None,
+        propose_s: float | None = None,
     ) -> StepRecord:
         """The step as the step log records it: every unit to the phases it ran; `state` is
         its `execution_state(units)`; `accepted_tokens`: of its drafts, those accepted (None:
-        it does not speculate)."""
+        it does not speculate), `propose_s` the proposer's seconds for them."""
         return StepRecord(
             time=time,
             lane=self.lane,
@@ -91,6 +92,7 @@ class SingleStep(Generic[E]):
             predicted_s=predicted_s,
             draft_tokens=None if accepted_tokens is None else self.draft_tokens,
             accepted_tokens=accepted_tokens,
+            propose_s=propose_s,
         )
 
     def sampled(self) -> list[E]:

@@ -316,6 +316,7 @@ class Lanes:
         measured: float,
         runner_s: float,
         accepted: int | None = None,
+        propose_s: float | None = None,
     ) -> None:
         """Feed the online correction and write the step log: what ran when the step started,
         under the split it started under (the other lane may have planned a new one since)."""
@@ -334,7 +335,9 @@ class Lanes:
                 (1 - STEP_TIME_WEIGHT) * old[1] + STEP_TIME_WEIGHT * measured,
             )
         if self.step_log:
-            record = step.record(self.clock.now(), measured, predicted, runner_s, accepted)
+            record = step.record(
+                self.clock.now(), measured, predicted, runner_s, accepted, propose_s
+            )
             write_step(self.step_log, record)
             self.step_log.flush()
 
@@ -497,6 +500,7 @@ class Lanes:
         drafts hold (`Speculator.verify`: every draw reads its request's output so far, which
         the prefill lane's bookkeeping may touch) and the step counted."""
         assert self.speculator is not None
+        propose_s = self.speculator.propose_s  # this step's: the lane proposes under the lock
         (logits, rows, runner_s), measured = self._on_units(
             step, partial(self._verify_forward, works, step.requests)
         )
@@ -507,7 +511,7 @@ class Lanes:
             )
             self.core.end_step("decode", lambda request: rejected.get(request.request_id, 0))
             accepted = sum(step.drafts) - sum(rejected.values())
-            self._log_step(step, measured, runner_s, accepted)
+            self._log_step(step, measured, runner_s, accepted, propose_s)
             for request in step.requests:
                 if request.is_finished:
                     self.book.release_blocks(request)

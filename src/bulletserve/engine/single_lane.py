@@ -82,6 +82,7 @@ class InFlight:
     measured: float
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
     accepted: int | None = None  # of its drafts, those accepted (speculative decoding)
+    propose_s: float | None = None  # the proposer's seconds for its drafts
     predicted: float | None = None  # the performance model's seconds, where it plans by one
 
     def feeds(self, step: SingleStep[Request]) -> FedTokens | None:
@@ -302,6 +303,7 @@ class SingleLane:
             flight.sampled, logits, parts.sampler, life, parts.clock.now()
         )
         flight.accepted = flight.step.draft_tokens - sum(rejected.values())
+        flight.propose_s = self.speculator.propose_s
         if self.perf is not None:
             es, phase = flight.step.execution_state(self.units)
             if parts.step_log:  # the estimate the step was planned by, for its line
@@ -341,7 +343,7 @@ class SingleLane:
                 measured = ended - started
             es = flight.step.execution_state(self.units)[0]
             record = flight.step.record(
-                ended, self.units, es, measured, flight.predicted, flight.accepted
+                ended, self.units, es, measured, flight.predicted, flight.accepted, flight.propose_s
             )
             write_step(parts.step_log, record)
             parts.step_log.flush()

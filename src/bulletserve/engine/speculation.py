@@ -16,6 +16,8 @@ for draw (a seeded request consumes one uniform per token either way), logprobs 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from bulletserve.engine.life import RequestLife
@@ -37,11 +39,13 @@ class Speculator:
         self._drafting: dict[str, Request] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.tallies = DraftTallies()
+        self.propose_s = 0.0  # the last proposal's seconds, for the step log
 
     def propose(self, running: list[Request]) -> None:
         """Set each decoding request's drafts (none for a prefilling one), no more than its
         max_tokens and the context length leave room for after the token its row draws, and
         the chance that each holds (`sched.drafts.acceptance_estimate`)."""
+        started = time.perf_counter()
         self.tallies.step_started()
         live = set()
         for request in running:
@@ -69,6 +73,7 @@ class Speculator:
             gone = self._drafting.pop(request_id)
             self.tallies.forget(request_id)
             self.proposer.forget(request_id, gone.output_token_ids if gone.is_finished else None)
+        self.propose_s = time.perf_counter() - started
 
     @torch.inference_mode()
     def verify(
