@@ -354,7 +354,7 @@ def test_thesuffix_cache_is_bounded_in_requests_and_nodes():
         ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "spec_factor"),
         ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "cached_requests"),
         ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": "yes"}, "adaptive"),
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "draft model"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "needs 'model'"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(value, message):

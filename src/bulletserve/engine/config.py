@@ -105,6 +105,11 @@ class EngineConfig(SchedulerConfig):
         if self.speculative_config is not None:
             spec = SpeculativeConfig.parse(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)
+            if spec.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "--speculative-config draft_model with --tensor-parallel-size > 1 is not "
+                    "built yet: the draft model runs on one rank"
+                )
             if self.async_scheduling:
                 raise ValueError(
                     "--speculative-config with --async-scheduling is not built yet: a step's "

@@ -24,6 +24,7 @@ from bulletserve.dist.parallel import TensorParallel
 from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.cuda_graphs import DecodeGraphs
+from bulletserve.engine.draft_model import DraftModel
 from bulletserve.engine.lanes import Lanes
 from bulletserve.engine.life import RequestLife
 from bulletserve.engine.model_runner import WarmGemms, builds_gemm_kernels, warm_cpu_gemms
@@ -146,6 +147,22 @@ class LLMEngine:
             None if delay_ms is None else delay_ms / 1e3,
         )
         self._ids = itertools.count()
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            # The target's pool's blocks, and room for every request's drafts past them.
+            room = -(-spec.num_speculative_tokens // config.block_size)
+            draft = DraftModel.load(
+                spec,
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.device,
+                self.dtype,
+                self.max_model_len,
+                self.pool.num_blocks + config.max_num_seqs * room,
+                config.block_size,
+                config.seed,
+            )
         # --step-log: one JSON line per step (the executor writes it).
         self.step_log = open(config.step_log, "a") if config.step_log else None
         parts = EngineParts(
@@ -159,6 +176,7 @@ class LLMEngine:
             self.device,
             self.dtype,
             self.step_log,
+            draft,
         )
         self.executor: Executor = _make_executor(parts, team)
         self.policy = self.executor.policy

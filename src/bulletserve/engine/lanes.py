@@ -103,7 +103,9 @@ class Lanes:
         # rows carry none).
         speculation = config.speculative_config
         self.speculator = (
-            None if speculation is None else Speculator(speculation, parts.life.max_model_len)
+            None
+            if speculation is None
+            else Speculator(speculation, parts.life.max_model_len, parts.draft)
         )
 
     def _make_policy(self, parts: EngineParts) -> BulletPolicy:

@@ -155,7 +155,7 @@ class SingleLane:
         drafts = None
         speculation = parts.config.speculative_config
         if speculation is not None:
-            self.speculator = Speculator(speculation, parts.life.max_model_len)
+            self.speculator = Speculator(speculation, parts.life.max_model_len, parts.draft)
         if speculation is not None and speculation.adaptive:
             units = lane_units(device, torch.get_num_threads())
             self.perf = perf_model(

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from bulletserve.engine.draft_model import DraftModel
 from bulletserve.engine.life import RequestLife
 from bulletserve.engine.request import Request
 from bulletserve.engine.sampler import Sampler
@@ -32,10 +33,15 @@ from bulletserve.spec.proposer import Proposer
 class Speculator:
     """Drafts for decoding requests and the verification of their rows (`verify`)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None
+    ) -> None:
+        """`draft`: the draft model, under method draft_model; else the method's proposer
+        indexes each request's tokens."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = Proposer(config)
+        self.draft = draft
+        self.proposer = None if draft is not None else Proposer(config)
         self._drafting: dict[str, Request] = {}
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.tallies = DraftTallies()
@@ -48,6 +54,7 @@ class Speculator:
         started = time.perf_counter()
         self.tallies.step_started()
         live = set()
+        rows: list[tuple[Request, int]] = []
         for request in running:
             live.add(request.request_id)
             request.draft_token_ids = []
@@ -56,24 +63,43 @@ class Speculator:
                 or not request.output_token_ids
             ):
                 continue
-            room = self.proposer.room(
-                len(request.output_token_ids),
-                request.params.max_tokens,
-                request.num_tokens,
-                self.max_model_len,
+            room = min(
+                self.config.num_speculative_tokens,
+                request.params.max_tokens - len(request.output_token_ids) - 1,
+                self.max_model_len - request.num_tokens - 1,
             )
             if room <= 0:
                 continue
             self._drafting[request.request_id] = request
-            request.draft_token_ids = self.proposer.propose(
-                request.request_id, request.prompt_token_ids, request.output_token_ids, room
+            rows.append((request, room))
+        if self.draft is not None:
+            proposals = self.draft.propose(
+                [(r.request_id, r.token_ids(0, r.num_tokens), room) for r, room in rows]
             )
+        else:
+            assert self.proposer is not None
+            proposals = [
+                self.proposer.propose(r.request_id, r.prompt_token_ids, r.output_token_ids, room)
+                for r, room in rows
+            ]
+        for (request, _), drafts in zip(rows, proposals, strict=True):
+            request.draft_token_ids = drafts
             request.draft_acceptance = self.tallies.estimate(request.request_id)
         for request_id in [r for r in self._drafting if r not in live]:
-            gone = self._drafting.pop(request_id)
-            self.tallies.forget(request_id)
-            self.proposer.forget(request_id, gone.output_token_ids if gone.is_finished else None)
+            self._forget(request_id)
         self.propose_s = time.perf_counter() - started
+
+    def _forget(self, request_id: str) -> None:
+        """A request left the running set (finished, aborted or preempted): its proposer's
+        state goes (a finished one's output joins suffix decoding's cache)."""
+        gone = self._drafting.pop(request_id)
+        self.tallies.forget(request_id)
+        if self.draft is not None:
+            self.draft.forget(request_id)
+        else:
+            assert self.proposer is not None
+            finished = gone.output_token_ids if gone.is_finished else None
+            self.proposer.forget(request_id, finished)
 
     @torch.inference_mode()
     def verify(
@@ -131,4 +157,6 @@ class Speculator:
             position += 1
         for request, _, _ in runs:
             request.draft_token_ids = []
+            if request.is_finished and request.request_id in self._drafting:
+                self._forget(request.request_id)  # no later step may come to free its state
         return rejected

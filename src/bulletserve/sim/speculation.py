@@ -78,7 +78,8 @@ class SimSpeculation:
         self.trace = trace
         self.max_model_len = max_model_len
         self._random = random.Random(seed)
-        self.proposer = Proposer(config)
+        # A replayed request's drafts come from the engine's proposer (not a draft model's).
+        self.proposer = Proposer(config) if config.method in ("ngram", "suffix") else None
         self.tallies = DraftTallies()
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self._drafting: dict[str, SimRequest] = {}  # as the engine's Speculator keeps them
@@ -97,13 +98,21 @@ class SimSpeculation:
             request.draft_count = 0
             if request.num_computed_tokens != request.num_tokens - 1 or not request.token_times:
                 continue
-            room = self.proposer.room(
-                len(request.token_times), request.output_len, request.num_tokens, self.max_model_len
+            room = min(
+                self.config.num_speculative_tokens,
+                request.output_len - len(request.token_times) - 1,
             )
+            if self.max_model_len is not None:
+                room = min(room, self.max_model_len - request.num_tokens - 1)
             if room <= 0:
                 continue
             self._drafting[request.request_id] = request
             if request.output_token_ids is not None:
+                if self.proposer is None:
+                    raise ValueError(
+                        f"{self.config.method}: a replayed output takes the drafts of an "
+                        "n-gram or suffix proposer, not a model's"
+                    )
                 drafts = self.proposer.propose(
                     request.request_id,
                     request.token_ids(0, request.input_len),
@@ -121,8 +130,9 @@ class SimSpeculation:
         for request_id in [r for r in self._drafting if r not in live]:
             gone = self._drafting.pop(request_id)
             self.tallies.forget(request_id)
-            finished = gone.finished_at is not None and gone.output_token_ids is not None
-            self.proposer.forget(request_id, gone.output_token_ids if finished else None)
+            if self.proposer is not None:
+                finished = gone.finished_at is not None and gone.output_token_ids is not None
+                self.proposer.forget(request_id, gone.output_token_ids if finished else None)
 
     def verify(self, rows: Iterable[tuple[SimRequest, int]]) -> list[tuple[SimRequest, int, int]]:
         """Of a step's rows (request, drafts it verifies), those that verified drafts:

@@ -6,11 +6,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SpecMethod = Literal["ngram", "suffix"]
-METHODS: tuple[SpecMethod, ...] = ("ngram", "suffix")
+from bulletserve.model.source import check_quantization
+
+SpecMethod = Literal["ngram", "suffix", "draft_model"]
+METHODS: tuple[SpecMethod, ...] = ("ngram", "suffix", "draft_model")
 # vLLM's other methods, not built here: what each needs.
 NOT_BUILT = {
-    "draft_model": "a draft model is not built yet; use ngram or suffix",
     "eagle": "EAGLE needs a trained draft head over the target's hidden states, not built here",
     "eagle3": "EAGLE-3 needs a trained draft head over the target's hidden states, not built here",
     "mtp": "MTP needs the model's own multi-token-prediction layers, which no model here loads",
@@ -31,6 +32,7 @@ METHOD_KEYS = {
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
     ),
+    "draft_model": ("model", "draft_tensor_parallel_size", "quantization"),
 }
 
 
@@ -43,6 +45,9 @@ class SpeculativeConfig:
     request's tokens and the last `suffix_decoding_max_cached_requests` outputs, followed while
     each token's share is at least `suffix_decoding_min_token_prob`, for up to
     `suffix_decoding_max_spec_factor` x the match's length (spec/suffix.py; vLLM's defaults).
+    For draft_model, `model` (a folder, a cached Hugging Face id or a GGUF file, of the
+    target's tokenizer) drafts greedily on its own weights and KV cache, unsharded
+    (`draft_tensor_parallel_size` 1), its weights as `quantization` says (as --quantization).
     `adaptive` (ours, not vLLM's): a step verifies only the drafts worth what they cost, priced
     by the performance model (`sched.drafts`); false verifies every draft, as vLLM does."""
 
@@ -55,6 +60,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    model: str | None = None
+    draft_tensor_parallel_size: int = 1
+    quantization: str | None = None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -70,6 +78,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError("--speculative-config must be a JSON object")
         method = value.get("method")
+        if method is None and "model" in value:
+            method = "draft_model"  # vLLM's: a model without a method drafts as one
         if method in NOT_BUILT:
             raise ValueError(f"--speculative-config method {method!r}: {NOT_BUILT[method]}")
         if method not in METHODS:
@@ -89,6 +99,8 @@ class SpeculativeConfig:
             )
         if method == "suffix":
             return cls._suffix(value, adaptive)
+        if method == "draft_model":
+            return cls._draft_model(value, adaptive)
         tokens = _count("num_speculative_tokens", value.get("num_speculative_tokens"))
         # vLLM's: a bound not given is the other's, and both 5 where neither is.
         low = value.get("prompt_lookup_min")
@@ -140,6 +152,29 @@ class SpeculativeConfig:
             suffix_decoding_min_token_prob=float(least),
         )
 
+    @classmethod
+    def _draft_model(cls, value: dict[str, Any], adaptive: bool) -> SpeculativeConfig:
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(
+                "--speculative-config method 'draft_model' needs 'model': a folder, a Hugging "
+                "Face id or a GGUF file"
+            )
+        tokens = _count("num_speculative_tokens", value.get("num_speculative_tokens"))
+        ranks = value.get("draft_tensor_parallel_size", 1)
+        if ranks != 1 or isinstance(ranks, bool):
+            raise ValueError(
+                "--speculative-config draft_tensor_parallel_size must be 1 (the draft model "
+                f"runs unsharded), not {ranks!r}"
+            )
+        quantization = value.get("quantization")
+        if quantization is not None:
+            try:
+                check_quantization(quantization)
+            except ValueError as exc:
+                raise ValueError(f"--speculative-config quantization: {exc}") from None
+        return cls("draft_model", tokens, adaptive=adaptive, model=model, quantization=quantization)
+
     def to_dict(self) -> dict[str, Any]:
         """The settings as `parse` takes them: the method's own keys only."""
         keys = ("method", "num_speculative_tokens", "adaptive", *METHOD_KEYS[self.method])
@@ -150,7 +185,9 @@ class SpeculativeConfig:
         verified = (
             "the drafts worth their cost verified" if self.adaptive else "every draft verified"
         )
-        if self.method == "suffix":
+        if self.method == "draft_model":
+            how = f"greedy drafts by {self.model}"
+        elif self.method == "suffix":
             how = (
                 f"a trie {self.suffix_decoding_max_tree_depth} deep over each request and the "
                 f"last {self.suffix_decoding_max_cached_requests} outputs"

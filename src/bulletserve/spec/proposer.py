@@ -18,6 +18,8 @@ class Proposer:
     """Drafts per request (`propose`), from an index built on its first proposal."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method not in ("ngram", "suffix"):
+            raise ValueError(f"{config.method} drafts with a model, not an index of tokens")
         self.config = config
         self._drafters: dict[str, Drafter] = {}
         self.suffix_cache = None
@@ -25,16 +27,6 @@ class Proposer:
             self.suffix_cache = SuffixCache(
                 config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests
             )
-
-    def room(
-        self, num_output: int, max_tokens: int, num_tokens: int, max_model_len: int | None
-    ) -> int:
-        """How many drafts a decoding row may carry: `num_speculative_tokens`, and no more than
-        max_tokens and the context length leave room for after the token the row draws."""
-        room = min(self.config.num_speculative_tokens, max_tokens - num_output - 1)
-        if max_model_len is not None:
-            room = min(room, max_model_len - num_tokens - 1)
-        return room
 
     def propose(
         self, request_id: str, prompt: Sequence[int], output: Sequence[int], count: int

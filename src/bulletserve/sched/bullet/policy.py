@@ -150,14 +150,14 @@ class BulletPolicy:
         step = self._next_step(batch, (), done)
         situation = self.situation(snap, batch, step, bool(builder.scheduled), est)
         choice = choose(situation, self.rules)
-        rule = None
-        if self.price_drafts:
-            # The decode lane's units, as the lanes place its step (`LaneCore.placement`).
-            split = choice.split
-            alone = self.partition == "none" or split.prefill == 0
-            units = self.units.total if alone else self.units.total - split.prefill
+        # The decode lane's units, as the lanes place its step (`LaneCore.placement`); a split
+        # that pauses it runs no step, so no drafts.
+        split = choice.split
+        alone = self.partition == "none" or split.prefill == 0
+        units = self.units.total if alone else self.units.total - split.prefill
+        if units > 0 and split.decode > 0:
             rule = DraftRule.from_perf(self.perf, units, snap.corrections)
-        builder.add_drafts(rule)
+            builder.add_drafts(rule if self.price_drafts else None)
         plan = builder.build()
         return BulletPlan(choice.split, decode=plan.scheduled, preempted=plan.preempted)
 
