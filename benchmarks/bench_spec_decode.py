@@ -72,6 +72,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model", default=None, help="default: the embedded model")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a draft model (folder, Hugging Face id or GGUF file) of the target's tokenizer: "
+        "adds its engines (the rule's drafts and every draft)",
+    )
+    parser.add_argument(
+        "--draft-quantization", default=None, help="the draft's weights, as --quantization"
+    )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="which engines beside off, comma-separated from: every draft, adaptive, suffix, "
+        "draft model, draft model every draft (default: the first three, and the draft "
+        "model's two with --draft-model)",
+    )
     args = parser.parse_args()
     config = {
         "method": "ngram",
@@ -86,12 +102,27 @@ def main() -> None:
         "max_model_len": 2048,
         "enable_prefix_caching": False,
     }
-    engines = {
-        "off": LLM(**common),
-        "every draft": LLM(**common, speculative_config={**config, "adaptive": False}),
-        "adaptive": LLM(**common, speculative_config=config),
-        "suffix": LLM(**common, speculative_config={"method": "suffix"}),
+    configs = {
+        "every draft": {**config, "adaptive": False},
+        "adaptive": config,
+        "suffix": {"method": "suffix"},
     }
+    if args.draft_model is not None:
+        draft = {
+            "method": "draft_model",
+            "model": args.draft_model,
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "quantization": args.draft_quantization,
+        }
+        configs["draft model"] = draft
+        configs["draft model every draft"] = {**draft, "adaptive": False}
+    chosen = list(configs) if args.methods is None else args.methods.split(",")
+    unknown = [label for label in chosen if label not in configs]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown[0]!r} (known: {', '.join(configs)})")
+    engines = {"off": LLM(**common)}
+    for label in chosen:
+        engines[label] = LLM(**common, speculative_config=configs[label])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"n-gram: {config}; {args.repeats} runs of {args.max_tokens} tokens, one stream")
     for name in ("grounded", "chat-like"):

@@ -10,6 +10,7 @@ from bulletserve.perf.model import Corrections, PerfModel, StepPrediction
 from bulletserve.sched.base import SeqView
 from bulletserve.sched.bullet.params import BulletParams
 from bulletserve.sched.bullet.types import Fusion, UnitSpace
+from bulletserve.sched.drafts import DraftRule
 from bulletserve.sched.slo import SLO
 
 
@@ -119,6 +120,32 @@ class Estimator:
                 prefill_layers=layers,
             )
         )
+
+    def draft_rule(
+        self,
+        prefill_lens: tuple[int, ...],
+        cached: tuple[int, ...],
+        layers: int,
+        decode_units: int,
+    ) -> DraftRule:
+        """Drafts priced by the decode lane's step on `decode_units` beside the prefill lane's
+        step of `prefill_lens` on the rest (none: the decode lane alone on its units)."""
+        if not prefill_lens:
+            return DraftRule.from_perf(self.perf, decode_units, self.corrections)
+
+        def step_time(contexts: list[int], drafts: list[int]) -> float:
+            state = ExecutionState(
+                prefill_lens=prefill_lens,
+                prefill_cached=_cached(cached),
+                prefill_units=self.units.total - decode_units,
+                decode_ctx=tuple(contexts),
+                decode_units=decode_units,
+                decode_drafts=tuple(drafts) if any(drafts) else (),
+                prefill_layers=layers,
+            )
+            return self.predict(state).decode_s
+
+        return DraftRule(step_time)
 
     def fewest_decode_units(
         self,

@@ -26,7 +26,6 @@ from bulletserve.sched.bullet.types import (
     Split,
     UnitSpace,
 )
-from bulletserve.sched.drafts import DraftRule
 from bulletserve.sched.slo import SLO
 
 
@@ -151,12 +150,16 @@ class BulletPolicy:
         situation = self.situation(snap, batch, step, bool(builder.scheduled), est)
         choice = choose(situation, self.rules)
         # The decode lane's units, as the lanes place its step (`LaneCore.placement`); a split
-        # that pauses it runs no step, so no drafts.
+        # that pauses it runs no step, so no drafts. Beside a prefill step, the drafts are
+        # priced by the decode step's time beside it.
         split = choice.split
         alone = self.partition == "none" or split.prefill == 0
         units = self.units.total if alone else self.units.total - split.prefill
         if units > 0 and split.decode > 0:
-            rule = DraftRule.from_perf(self.perf, units, snap.corrections)
+            beside = step is not None and not alone
+            rule = est.draft_rule(
+                situation.lens if beside else (), situation.cached, situation.layers, units
+            )
             builder.add_drafts(rule if self.price_drafts else None)
         plan = builder.build()
         return BulletPlan(choice.split, decode=plan.scheduled, preempted=plan.preempted)
