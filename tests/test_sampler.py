@@ -10,6 +10,7 @@ from bulletserve.engine.request import Request, RequestTimings
 from bulletserve.engine.sampler import (
     CDF_BLOCK,
     NUCLEUS_CANDIDATES,
+    Proposal,
     Sampler,
     _filtered_weights,
     _inverse_cdf,
@@ -183,3 +184,31 @@ def test_the_sampler_masks_stop_ids_below_min_tokens_beside_free_rows():
     free = _request(temperature=0)
     tokens, _ = Sampler(seed=0).sample(logits, [held, free], [frozenset({1})] * 2)
     assert tokens[0] != 1 and tokens[1] == 1
+
+
+@pytest.mark.parametrize("settings", [{}, {"top_k": 3, "temperature": 0.7}])
+def test_rejection_sampling_of_drafts_keeps_the_targets_distribution(settings):
+    """Drafts drawn from a distribution q of their own, each verified by min(1, p/q) and a
+    rejected one redrawn from max(p - q, 0): the tokens are distributed as the target's p (the
+    processed one: temperature, top-k), their distance to it shrinking with their number as
+    vLLM's rejection sampler test has it; drafts are kept at the rate sum(min(p, q))."""
+    settings = {"temperature": 1.0} | settings
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, generator=generator) * 2
+    q = torch.softmax(torch.randn(6, generator=generator), dim=-1)
+    p = _reference_probs(logits, settings["temperature"], settings.get("top_k", 0), 1.0)
+    sampler = Sampler(seed=5)
+    distances = []
+    for n in (250, 2_500, 25_000):
+        drafts = torch.multinomial(q, n, replacement=True, generator=generator)
+        requests = [_request(**settings) for _ in range(n)]
+        proposals = [Proposal(int(d), q) for d in drafts]
+        tokens, _ = sampler.draw(
+            logits.expand(n, -1).clone(), requests, [frozenset()] * n, proposals
+        ).read()
+        tokens = torch.tensor(tokens)
+        frequency = torch.bincount(tokens, minlength=6).double() / n
+        distances.append(0.5 * (frequency - p).abs().sum().item())
+        kept = (tokens == drafts).double().mean().item()
+    assert distances[2] < distances[0] and distances[2] < 0.015
+    assert abs(kept - torch.minimum(p, q.double()).sum().item()) < 0.015

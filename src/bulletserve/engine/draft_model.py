@@ -5,10 +5,10 @@ Each step, for the requests that may draft: one forward catches each request's d
 the tokens it has not computed (the whole prompt at first, then the tokens the target accepted
 since) and takes its first draft from the logits at the request's last token; each further
 forward feeds every request's last draft and takes the next, so k drafts cost k forwards of the
-small model, all requests together. Drafts are the draft model's argmax: its distribution is
-one-hot, so the target's verification (engine/speculation.py) is exact rejection sampling for
-greedy and random requests alike, and a seeded request's text is the one decoding without
-speculation gives.
+small model, all requests together. A row given a temperature draws its drafts from the draft
+model's distribution at it (q), which the target's verification takes for rejection sampling
+(`engine.sampler.Proposal`); the others take the draft model's argmax, a one-hot q, whose
+verification keeps a seeded request's text the one decoding without speculation gives.
 
 The KV of a request's drafts stays in the draft's cache; at the next step the drafts the
 target accepted are kept (their KV was computed over the right tokens) and the rest are
@@ -34,6 +34,17 @@ from bulletserve.spec.config import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class DraftRow:
+    """A request to draft for: its tokens so far, how many drafts, and the temperature to draw
+    them at (None: the argmax)."""
+
+    request_id: str
+    tokens: list[int]
+    count: int
+    temperature: float | None = None
+
+
 @dataclass
 class _DraftKV:
     """A request's state in the draft's cache: its blocks, how many of its tokens have their
@@ -47,12 +58,13 @@ class _DraftKV:
 class DraftModel:
     """Drafts for many requests at once (`propose`); a request's draft KV lives until `forget`."""
 
-    def __init__(self, runner: ModelRunner, pool: KVPool, vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, pool: KVPool, vocab_size: int, seed: int = 0) -> None:
         self.runner = runner
         self.pool = pool
         self.vocab_size = vocab_size  # the target's: a larger draft vocabulary is cut to it
         self._kv: dict[str, _DraftKV] = {}
         self._logits = LogitsBuffer()
+        self._generator = torch.Generator(device=runner.device).manual_seed(seed)
 
     @classmethod
     def load(
@@ -91,16 +103,21 @@ class DraftModel:
             draft_config.hidden_size,
             num_blocks,
         )
-        return cls(ModelRunner(model, pool, device), pool, target_vocab)
+        return cls(ModelRunner(model, pool, device), pool, target_vocab, seed)
 
     @torch.inference_mode()
-    def propose(self, rows: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        """Up to `count` drafts for each (request id, its tokens so far, count) row; fewer
-        where the draft's KV pool runs out of blocks (none for a row it cannot hold)."""
+    def propose(self, rows: list[DraftRow]) -> list[tuple[list[int], list[torch.Tensor] | None]]:
+        """Each row's drafts, up to its count (fewer where the draft's KV pool runs out of
+        blocks: none for a row it cannot hold), and for a row with a temperature the
+        distribution each was drawn from ([V] probabilities, where the logits are)."""
         drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor] | None] = [
+            None if row.temperature is None else [] for row in rows
+        ]
         works, live = [], []
-        for index, (request_id, tokens, count) in enumerate(rows):
-            kv = self._kv.setdefault(request_id, _DraftKV())
+        for index, row in enumerate(rows):
+            tokens = row.tokens
+            kv = self._kv.setdefault(row.request_id, _DraftKV())
             kept = 0
             for position, draft in enumerate(kv.drafts, start=kv.computed):
                 if position >= len(tokens) - 1 or tokens[position] != draft:
@@ -108,29 +125,58 @@ class DraftModel:
                 kept += 1
             kv.computed, kv.drafts = min(kv.computed + kept, len(tokens) - 1), []
             # The KV of the tokens and of all but the last draft.
-            if not self._grow(kv, len(tokens) + count - 1):
+            if not self._grow(kv, len(tokens) + row.count - 1):
                 continue
             works.append(SeqWork(tokens[kv.computed :], kv.computed, kv.blocks, True))
             kv.computed = len(tokens)
-            live.append((index, count))
+            live.append(index)
         step = 0
         while works:
             logits, order = self.runner.execute(works, self._logits)
-            picked = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-            by_work = dict(zip(order, picked, strict=True))
+            owners = [live[work] for work in order]  # each logits row's row of `rows`
+            picked = self._pick(logits[:, : self.vocab_size], [rows[i] for i in owners])
+            by_work = {}
+            for work, owner, (token, q) in zip(order, owners, picked, strict=True):
+                by_work[work] = token
+                if q is not None:
+                    kept_probs = probs[owner]
+                    assert kept_probs is not None
+                    kept_probs.append(q)
             step += 1
             next_works, next_live = [], []
-            for work_index, (index, count) in enumerate(live):
+            for work_index, index in enumerate(live):
                 token = by_work[work_index]
                 drafts[index].append(token)
-                if step < count:
-                    kv = self._kv[rows[index][0]]
+                row = rows[index]
+                if step < row.count:
+                    kv = self._kv[row.request_id]
                     kv.drafts.append(token)
-                    start = len(rows[index][1]) + step - 1
+                    start = len(row.tokens) + step - 1
                     next_works.append(SeqWork([token], start, kv.blocks, True))
-                    next_live.append((index, count))
+                    next_live.append(index)
             works, live = next_works, next_live
-        return drafts
+        return list(zip(drafts, probs, strict=True))
+
+    def _pick(
+        self, logits: torch.Tensor, rows: list[DraftRow]
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """Each logits row's draft: the argmax, or for a row with a temperature a token drawn
+        from the distribution at it, with that distribution."""
+        tokens = logits.argmax(dim=-1)
+        tempered = [k for k, row in enumerate(rows) if row.temperature is not None]
+        q: torch.Tensor | None = None
+        if tempered:
+            index = torch.tensor(tempered, device=logits.device)
+            scale = torch.tensor(
+                [rows[k].temperature for k in tempered], device=logits.device
+            ).unsqueeze(1)
+            q = torch.softmax(logits[index].float() / scale, dim=-1)
+            tokens[index] = torch.multinomial(q, 1, generator=self._generator).squeeze(1)
+        picked: list[tuple[int, torch.Tensor | None]] = [(t, None) for t in tokens.tolist()]
+        for position, k in enumerate(tempered):
+            assert q is not None
+            picked[k] = (picked[k][0], q[position])
+        return picked
 
     def forget(self, request_id: str) -> None:
         """The request left the running set: its draft KV is freed."""

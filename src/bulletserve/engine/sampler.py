@@ -44,7 +44,11 @@ class Sampler:
 
     @torch.inference_mode()
     def draw(
-        self, logits: torch.Tensor, requests: list[Request], stop_ids: list[frozenset[int]]
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        stop_ids: list[frozenset[int]],
+        proposals: list[Proposal | None] | None = None,
     ) -> Draw:
         """Draw one token per row of `logits` ([N, V], on any device) for the matching request,
         where the logits are; the host reads the tokens back later (`Draw.read`), so that a GPU
@@ -52,6 +56,11 @@ class Sampler:
 
         `stop_ids[i]` are masked out while request i is below its `min_tokens` (not for a row
         held to a grammar, which decides itself when the output may end).
+
+        `proposals[i]`: a draft token drawn from a distribution q of its own (speculative
+        decoding's draft model at a random request's temperature), verified by rejection
+        sampling: kept with probability min(1, p/q) at the row's distribution p, else a token
+        drawn from max(p - q, 0) renormalized; the row's token is then distributed as p.
         """
         masked = [
             (row, ids)
@@ -91,12 +100,62 @@ class Sampler:
                 tokens[redo] = _drawn(logits[redo], [requests[i] for i in redo], uniforms[redo])
         else:
             tokens = _drawn(logits, requests, uniforms.to(logits.device))
+        checked = [row for row, proposal in enumerate(proposals or ()) if proposal is not None]
+        if checked:
+            assert proposals is not None
+            _verify_proposals(
+                logits, requests, tokens, uniforms, checked, proposals, self._generator
+            )
         draw = Draw(tokens, _logprobs(logits, requests, tokens))
         if processed:
             # Only a row with every logit masked draws a token whose logit is -inf.
             rows = torch.tensor(processed, device=logits.device)
             draw.unsatisfiable = rows[torch.isneginf(logits[rows, tokens[rows]])]
         return draw
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft token and the distribution it was drawn from (`q`: [V] probabilities, on the
+    logits' device)."""
+
+    token: int
+    q: torch.Tensor
+
+
+def _verify_proposals(
+    logits: torch.Tensor,
+    requests: list[Request],
+    tokens: torch.Tensor,
+    uniforms: torch.Tensor,
+    rows: list[int],
+    proposals: list[Proposal | None],
+    generator: torch.Generator,
+) -> None:
+    """Rejection sampling for the random rows of `rows` (a greedy one keeps its argmax, which
+    is p's one token): each row's own uniform decides min(1, p/q) at its draft; a rejected row
+    draws again from max(p - q, 0), with a second uniform from its request's generator."""
+    rows = [row for row in rows if not requests[row].params.greedy]
+    if not rows:
+        return
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    chosen = [requests[row] for row in rows]
+    maxima = logits[index].max(dim=-1).values
+    weights = _filtered_weights(logits[index], maxima, chosen).double()
+    p = weights / weights.sum(dim=-1, keepdim=True)
+    q = torch.stack([proposals[row].q for row in rows]).to(device=device, dtype=torch.float64)
+    drafts = torch.tensor([proposals[row].token for row in rows], device=device)
+    at = drafts.unsqueeze(1)
+    accepted = uniforms[rows].to(device) * q.gather(1, at).squeeze(1) < p.gather(1, at).squeeze(1)
+    residual = (p - q).clamp_(min=0)
+    # Where p is q itself nothing is left to draw from, and every draft was kept.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    again = torch.zeros(len(rows), 1, dtype=torch.float64)
+    for k, request in enumerate(chosen):
+        again[k].uniform_(generator=request.generator or generator)
+    redrawn = _inverse_cdf(residual, again.to(device))
+    tokens[index] = torch.where(accepted, drafts, redrawn)
 
 
 @dataclass

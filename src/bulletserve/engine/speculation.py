@@ -7,11 +7,14 @@ position j the request's logits are processed (grammar, penalties, bias, min_tok
 tokens) with every token before j already in its output, the token is drawn from that
 distribution with the request's own generator, and handed to its life (stops, limits); the row
 goes on to j + 1 only while the drawn token equals draft j. A draft proposed without a
-distribution of its own (n-gram lookup: q one-hot) is accepted with probability p(draft), and
-where it is not, the token drawn is distributed as p without the draft, renormalized: exactly
-rejection sampling's min(1, p/q) and max(p - q, 0), and the last position's token is the bonus.
-So the output is the one decoding without speculation gives, token for token (greedy) and draw
-for draw (a seeded request consumes one uniform per token either way), logprobs included.
+distribution of its own (n-gram lookup, suffix decoding, a draft model's argmax: q one-hot) is
+accepted with probability p(draft), and where it is not, the token drawn is distributed as p
+without the draft, renormalized: exactly rejection sampling's min(1, p/q) and max(p - q, 0),
+and the last position's token is the bonus. So the output is the one decoding without
+speculation gives, token for token (greedy) and draw for draw (a seeded request consumes one
+uniform per token either way), logprobs included. A draft model's draft drawn at an unseeded
+request's temperature carries its q, and the draw at its position is rejection sampling
+proper (`engine.sampler.Proposal`): the same distribution, not the same draws.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import time
 
 import torch
 
-from bulletserve.engine.draft_model import DraftModel
+from bulletserve.engine.draft_model import DraftModel, DraftRow
 from bulletserve.engine.life import RequestLife
 from bulletserve.engine.request import Request
-from bulletserve.engine.sampler import Sampler
+from bulletserve.engine.sampler import Proposal, Sampler
 from bulletserve.sched.drafts import DraftTallies
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
@@ -46,6 +49,9 @@ class Speculator:
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self.tallies = DraftTallies()
         self.propose_s = 0.0  # the last proposal's seconds, for the step log
+        # Per request, the distribution each of its drafts was drawn from, where the draft
+        # model drew them at its temperature (else its drafts are one-hot).
+        self._probs: dict[str, list[torch.Tensor]] = {}
 
     def propose(self, running: list[Request]) -> None:
         """Set each decoding request's drafts (none for a prefilling one), no more than its
@@ -72,10 +78,19 @@ class Speculator:
                 continue
             self._drafting[request.request_id] = request
             rows.append((request, room))
+        self._probs.clear()
         if self.draft is not None:
-            proposals = self.draft.propose(
-                [(r.request_id, r.token_ids(0, r.num_tokens), room) for r, room in rows]
+            drafted = self.draft.propose(
+                [
+                    DraftRow(r.request_id, r.token_ids(0, r.num_tokens), room, _draws_at(r))
+                    for r, room in rows
+                ]
             )
+            proposals = []
+            for (request, _), (drafts, probs) in zip(rows, drafted, strict=True):
+                proposals.append(drafts)
+                if probs is not None:
+                    self._probs[request.request_id] = probs
         else:
             assert self.proposer is not None
             proposals = [
@@ -136,7 +151,15 @@ class Speculator:
             if len(active) < logits.shape[0]:
                 rows_now = [first + position for _, first, _ in active]
                 chosen = logits.index_select(0, torch.tensor(rows_now, device=logits.device))
-            draw = sampler.draw(chosen, requests, [r.stop_ids for r in requests])
+            proposals = None
+            if self._probs:
+                proposals = [
+                    Proposal(drafts[position], self._probs[request.request_id][position])
+                    if request.request_id in self._probs and position < len(drafts)
+                    else None
+                    for request, _, drafts in active
+                ]
+            draw = sampler.draw(chosen, requests, [r.stop_ids for r in requests], proposals)
             tokens, logprobs = draw.read()
             going = []
             for (request, first, drafts), token, logprob in zip(
@@ -155,8 +178,19 @@ class Speculator:
                 going.append((request, first, drafts))
             active = going
             position += 1
+        self._probs.clear()
         for request, _, _ in runs:
             request.draft_token_ids = []
             if request.is_finished and request.request_id in self._drafting:
                 self._forget(request.request_id)  # no later step may come to free its state
         return rejected
+
+
+def _draws_at(request: Request) -> float | None:
+    """The temperature a draft model draws a request's drafts at: an unseeded random request's
+    own (rejection sampling keeps its distribution), else None: the draft's argmax, so that a
+    seeded request draws one uniform per token and its text is the one without speculation."""
+    params = request.params
+    if params.greedy or params.seed is not None:
+        return None
+    return params.temperature

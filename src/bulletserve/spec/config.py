@@ -46,7 +46,7 @@ class SpeculativeConfig:
     each token's share is at least `suffix_decoding_min_token_prob`, for up to
     `suffix_decoding_max_spec_factor` x the match's length (spec/suffix.py; vLLM's defaults).
     For draft_model, `model` (a folder, a cached Hugging Face id or a GGUF file, of the
-    target's tokenizer) drafts greedily on its own weights and KV cache, unsharded
+    target's tokenizer) drafts on its own weights and KV cache, unsharded
     (`draft_tensor_parallel_size` 1), its weights as `quantization` says (as --quantization).
     `adaptive` (ours, not vLLM's): a step verifies only the drafts worth what they cost, priced
     by the performance model (`sched.drafts`); false verifies every draft, as vLLM does."""
@@ -186,7 +186,7 @@ class SpeculativeConfig:
             "the drafts worth their cost verified" if self.adaptive else "every draft verified"
         )
         if self.method == "draft_model":
-            how = f"greedy drafts by {self.model}"
+            how = f"drafts by {self.model}"
         elif self.method == "suffix":
             how = (
                 f"a trie {self.suffix_decoding_max_tree_depth} deep over each request and the "
