@@ -72,6 +72,7 @@ def test_greedy_outputs_equal_without_speculation_one_and_many_streams(engines):
     assert counters.accepted_per_position[0] >= counters.accepted_per_position[-1]
 
 
+@pytest.mark.parametrize("engines", ["chunked", "bullet"], indirect=True)  # prefill-first: greedy
 def test_seeded_sampling_penalties_and_logprobs_equal_draw_for_draw(engines):
     """A seeded request draws one uniform per token either way: the same text, and the same
     logprobs (computed in a verified row rather than a decode row: within float error)."""
@@ -88,6 +89,7 @@ def test_seeded_sampling_penalties_and_logprobs_equal_draw_for_draw(engines):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+@pytest.mark.parametrize("engines", ["chunked", "bullet"], indirect=True)  # prefill-first: greedy
 def test_n_sequences_and_prompt_logprobs_equal_without_speculation(engines):
     plain, spec = engines
     params = SamplingParams(
