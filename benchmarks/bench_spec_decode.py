@@ -82,6 +82,13 @@ def main() -> None:
         "--draft-quantization", default=None, help="the draft's weights, as --quantization"
     )
     parser.add_argument(
+        "--suffix-max-spec-factor",
+        type=float,
+        default=1.0,
+        help="suffix decoding's suffix_decoding_max_spec_factor (vLLM's default 1.0: a draft "
+        "no longer than the match it follows)",
+    )
+    parser.add_argument(
         "--methods",
         default=None,
         help="which engines beside off, comma-separated from: every draft, adaptive, suffix, "
@@ -105,7 +112,10 @@ def main() -> None:
     configs = {
         "every draft": {**config, "adaptive": False},
         "adaptive": config,
-        "suffix": {"method": "suffix"},
+        "suffix": {
+            "method": "suffix",
+            "suffix_decoding_max_spec_factor": args.suffix_max_spec_factor,
+        },
     }
     if args.draft_model is not None:
         draft = {
