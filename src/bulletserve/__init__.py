@@ -28,10 +28,11 @@ if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & se
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from bulletserve.engine.llm import LLM
+    from bulletserve.engine.lora import LoRARequest
     from bulletserve.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +42,10 @@ def __getattr__(name: str) -> object:
         from bulletserve.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from bulletserve.engine.lora import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from bulletserve.engine.sampling_params import SamplingParams
 

@@ -4,6 +4,7 @@ the scheduler's part is sched/config.py's `SchedulerConfig`, the model's shape m
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -56,6 +57,11 @@ class EngineConfig(SchedulerConfig):
     async_scheduling: bool = False
     # Speculative decoding (vLLM's --speculative-config: a JSON object, a dict, or parsed).
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (vLLM's --enable-lora, --lora-modules name=path, --max-lora-rank).
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 16
+    lora_dtype: str = "auto"  # the adapters' weights: auto (the model's dtype) or a dtype
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # The SLO the bullet policy schedules for (and /metrics counts attainment against).
     slo_ttft_per_token_ms: float = 3.0
@@ -116,6 +122,19 @@ class EngineConfig(SchedulerConfig):
                     "accepted tokens decide the next step's rows, so the next is not planned "
                     "before this one is read back"
                 )
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.enable_lora:
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+            for module in self.lora_modules:
+                lora_module(module)
+            if self.max_lora_rank < 1:
+                raise ValueError(f"--max-lora-rank must be >= 1, not {self.max_lora_rank}")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "--enable-lora with --tensor-parallel-size > 1 is not built yet: the "
+                    "adapters' A or B are not sharded over the ranks"
+                )
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(
                 "--async-scheduling is not built for --tensor-parallel-size > 1: the other "
@@ -139,6 +158,25 @@ class EngineConfig(SchedulerConfig):
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
         return cls(**values | {"policy": policy_of(args)})
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """(name, path) of a --lora-modules entry: `name=path`, or vLLM's JSON form
+    `{"name": ..., "path": ..., "base_model_name": ...}`; ValueError naming what is wrong."""
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules {value!r}: not JSON: {exc}") from None
+        name, path = entry.get("name"), entry.get("path")
+        unknown = sorted(set(entry) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise ValueError(f"--lora-modules {value!r}: unknown key {unknown[0]!r}")
+    else:
+        name, _, path = value.partition("=")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise ValueError(f"--lora-modules takes name=path or a JSON object, not {value!r}")
+    return name, path
 
 
 def policy_of(args: argparse.Namespace) -> str:
@@ -347,6 +385,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M} drafts '
         "up to K tokens a step where the last N..M tokens occurred before in the prompt or "
         "output; the model verifies them in one step and its output is the same as without",
+    )
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT folders) over the base model: a request's `model` "
+        "names its adapter",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        help='the adapters served from the start: name=path, or vLLM\'s JSON {"name": ..., '
+        '"path": ..., "base_model_name": ...}',
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the highest adapter rank served (vLLM's default 16); a higher one is refused at load",
+    )
+    lora.add_argument(
+        "--lora-dtype",
+        default="auto",
+        help="the adapters' weights: auto (the model's dtype), float32, bfloat16 or float16",
     )
     grammar = parser.add_argument_group("structured outputs")
     grammar.add_argument(

@@ -22,11 +22,12 @@ from bulletserve.bookkeeping.book import RequestBook
 from bulletserve.bookkeeping.clock import Clock, RealClock
 from bulletserve.dist.parallel import TensorParallel
 from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
-from bulletserve.engine.config import EngineConfig
+from bulletserve.engine.config import EngineConfig, lora_module
 from bulletserve.engine.cuda_graphs import DecodeGraphs
 from bulletserve.engine.draft_model import DraftModel
 from bulletserve.engine.lanes import Lanes
 from bulletserve.engine.life import RequestLife
+from bulletserve.engine.lora import LoadedAdapter, LoRARegistry, LoRARequest, UnknownAdapterError
 from bulletserve.engine.model_runner import WarmGemms, builds_gemm_kernels, warm_cpu_gemms
 from bulletserve.engine.parts import EngineParts
 from bulletserve.engine.ranks import Ranks, build_device_side, rank_device, rank_threads
@@ -40,7 +41,7 @@ from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.single_lane import SingleLane
 from bulletserve.model.decoder import DecoderLM
 from bulletserve.model.file_error import ModelFileError
-from bulletserve.model.loader import resolve_dtype
+from bulletserve.model.loader import DTYPES, resolve_dtype
 from bulletserve.model.source import resolve_model
 from bulletserve.partition import TeamThread
 from bulletserve.sched.base import Policy, check_priority
@@ -147,6 +148,23 @@ class LLMEngine:
             None if delay_ms is None else delay_ms / 1e3,
         )
         self._ids = itertools.count()
+        # LoRA adapters (--enable-lora): those named at start loaded now.
+        self.lora: LoRARegistry | None = None
+        if config.enable_lora:
+            lora_dtype = self.dtype
+            if config.lora_dtype != "auto":
+                try:
+                    lora_dtype = DTYPES[config.lora_dtype]
+                except KeyError:
+                    raise ValueError(
+                        f"--lora-dtype must be auto or one of {', '.join(DTYPES)}, not "
+                        f"{config.lora_dtype!r}"
+                    ) from None
+            self.lora = LoRARegistry(
+                self.model_config, config.max_lora_rank, lora_dtype, self.device
+            )
+            for module in config.lora_modules:
+                self.lora.load(*lora_module(module))
         spec = config.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
@@ -250,10 +268,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         service: ServiceClass = ServiceClass(),
         decoding: DecodingState | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> str:
         """Queue a request; raises ValueError for bad input before anything is queued.
         `service`: its priority and SLO (None: the server's, `--slo-*`); `decoding`: its
-        `front.decoding_state(params)` where the caller built it already (off its loop)."""
+        `front.decoding_state(params)` where the caller built it already (off its loop);
+        `lora_request`: its LoRA adapter, by name (one loaded) or as vLLM's `LoRARequest`
+        (loaded from its path on first use)."""
+        lora = self.lora_adapter(lora_request)
         check_priority(service.priority, self.config.scheduling_policy)
         if params.n != 1:
             raise ValueError(
@@ -274,12 +296,27 @@ class LLMEngine:
             grammar=decoding.grammar,
             bad_words_ids=decoding.bad_words_ids,
             service=replace(service, slo=service.slo or self.config.slo),
+            lora=lora,
         )
         if params.seed is not None:
             request.generator = self.sampler.new_request_generator(params.seed)
         self.life.add(request)
         self.executor.wake()
         return request.request_id
+
+    def lora_adapter(self, lora_request: LoRARequest | str | None) -> LoadedAdapter | None:
+        """The adapter a request names (None: the base model); ValueError where the engine
+        serves none, or none of that name (`UnknownAdapterError`)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("a LoRA adapter needs the engine started with --enable-lora")
+        if isinstance(lora_request, LoRARequest):
+            return self.lora.resolve(lora_request)
+        adapter = self.lora.get(lora_request)
+        if adapter is None:
+            raise UnknownAdapterError(f"no LoRA adapter named {lora_request!r} is loaded")
+        return adapter
 
     def abort_request(self, request_id: str) -> None:
         self.life.abort(request_id)

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.factory import create_engine
+from bulletserve.engine.lora import LoRARequest
 from bulletserve.engine.request import RequestOutput
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.sched.base import check_priority
@@ -41,11 +42,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in the order of `prompts`, its `outputs` the prompt's n
         sequences (`SamplingParams.n`, each an engine request of its own; the first's fields
         are also the output's own). `priority`: per prompt, lower first (vLLM's; needs
-        `scheduling_policy="priority"`). A bad prompt raises before any request runs."""
+        `scheduling_policy="priority"`). `lora_request`: the LoRA adapter of every prompt, or
+        one per prompt (None: the base model), as vLLM's (needs `enable_lora=True`). A bad
+        prompt raises before any request runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -62,16 +66,29 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         for rank in priorities:
             check_priority(rank, self.engine.config.scheduling_policy)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters = [lora_request] * len(prompts)
+        else:
+            adapters = list(lora_request)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} LoRA requests")
         for prompt in prompts:
             self.engine.check_prompt(self.engine.tokenize(prompt))
+        for adapter in adapters:
+            self.engine.lora_adapter(adapter)
         ids = [
             [
                 self.engine.add_request(
-                    prompt, params.for_choice(k), service=ServiceClass(priority=rank)
+                    prompt,
+                    params.for_choice(k),
+                    service=ServiceClass(priority=rank),
+                    lora_request=adapter,
                 )
                 for k in range(params.n)
             ]
-            for prompt, params, rank in zip(prompts, param_list, priorities, strict=True)
+            for prompt, params, rank, adapter in zip(
+                prompts, param_list, priorities, adapters, strict=True
+            )
         ]
         group_of = {i: g for g, group in enumerate(ids) for i in group}
         left = [len(group) for group in ids]  # per prompt, its sequences still running

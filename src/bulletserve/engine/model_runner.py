@@ -25,6 +25,7 @@ from bulletserve.model.cpu_kernels import (
 )
 from bulletserve.model.decoder import DecoderLM, Linear, LogitsBuffer
 from bulletserve.model.file_error import ModelFileError
+from bulletserve.model.lora import AdapterWeights, lora_batch
 
 # On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and the oneDNN packed projections
 # in any dtype; PyTorch's own fp32 GEMM goes to MKL, and our blocked one to our C, which do
@@ -73,15 +74,19 @@ class SeqWork:
     # With `samples`: how many of its last rows get logits (a verified decode row: its token's
     # and each draft's, 1 + drafts).
     num_logits: int = 1
+    lora: AdapterWeights | None = None  # the LoRA adapter its rows run with
 
 
 def request_work(request: Request, start: int, end: int) -> SeqWork:
     """A request's share of a step over its tokens [start, end); past its tokens, a decode row
     goes on over its drafts, each row's logits kept to verify them."""
+    lora = None if request.lora is None else request.lora.weights
     if end > request.num_tokens:
         drafts = request.draft_token_ids[: end - request.num_tokens]
         token_ids = request.token_ids(start, request.num_tokens) + drafts
-        return SeqWork(token_ids, start, request.block_table, True, num_logits=1 + len(drafts))
+        return SeqWork(
+            token_ids, start, request.block_table, True, num_logits=1 + len(drafts), lora=lora
+        )
     return SeqWork(
         request.token_ids(start, end),
         start,
@@ -89,6 +94,7 @@ def request_work(request: Request, start: int, end: int) -> SeqWork:
         end == request.num_tokens,
         request.prompt_targets(start, end),
         request.params.prompt_logprobs or 0,
+        lora=lora,
     )
 
 
@@ -326,12 +332,22 @@ class ModelRunner:
         if prefills and self.prefill_kernel is not None:
             decode_fields.update(self._prefill_fields([works[i] for i in prefills], spans))
         upload = self._upload
+        lora = None
+        if any(work.lora is not None for work in works):
+            lora = lora_batch(
+                [
+                    (work.lora, start, start + len(work.token_ids))
+                    for work, start in zip(works, query_starts, strict=True)
+                ],
+                self.device,
+            )
         meta = AttentionMetadata(
             slot_mapping=upload(torch.cat(slot_mapping)),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
             num_tokens=num_tokens,
             kv_writer=self.kv_writer,
+            lora=lora,
             **decode_fields,
         )
         return StepBatch(
@@ -405,6 +421,7 @@ class ModelRunner:
             self.graphs is not None
             and self.graphs.fits(works)
             and not any(w.prompt_targets for w in works)  # a one-token chunk of a prompt
+            and not any(w.lora is not None for w in works)  # the graphs hold no adapter
         ):
             return self.graphs.run(works, fed), list(range(len(works)))
         if fed is not None and self.tp.shard.size > 1:

@@ -7,6 +7,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+from bulletserve.engine.lora import LoadedAdapter
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.structured import Grammar
 from bulletserve.kv.allocator import salt_root
@@ -83,6 +84,9 @@ class Request:
     # With `params.prompt_logprobs`: per prompt position from 1, its logprob once computed.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prefix_root: int = field(init=False, default=0)  # its prefix keys' root (its cache salt's)
+    # The LoRA adapter it runs with (None: the base model); its prefix keys carry the
+    # adapter's name and load generation beside the cache salt.
+    lora: LoadedAdapter | None = None
     service: ServiceClass = ServiceClass()  # its priority and SLO (the server's filled in)
     # Whether its next token is being drawn by a step in flight (--async-scheduling): counted
     # in its tokens, so that the next step is planned with it, but not yet in its output.
@@ -93,7 +97,10 @@ class Request:
     draft_acceptance: float = 0.0  # the chance each holds given the one before did
 
     def __post_init__(self) -> None:
-        self.prefix_root = salt_root(self.params.cache_salt)
+        salt = self.params.cache_salt
+        if self.lora is not None:
+            salt = f"{salt or ''}\x00{self.lora.identity}"
+        self.prefix_root = salt_root(salt)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bulletserve.model.cpu_kernels import FusedOps, PrefillAttentionKernel
+from bulletserve.model.lora import LoRABatch
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # int32 [batch, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # int32 [batch]
     block_size: int = 0
+    # The step's rows grouped by LoRA adapter (None: no row uses one).
+    lora: LoRABatch | None = None
 
 
 def paged_attention(

@@ -25,6 +25,7 @@ from bulletserve.dist.parallel import TensorParallel
 from bulletserve.model.attention import AttentionMetadata, paged_attention
 from bulletserve.model.config import ModelConfig, RopeScaling
 from bulletserve.model.cpu_kernels import FusedOps, LinearKernel
+from bulletserve.model.lora import LoRABatch
 from bulletserve.model.quantized import PackedPart, QuantizedLinearKernel, QuantizedWeight
 
 
@@ -185,10 +186,11 @@ class Attention(nn.Module):
     """`config`: this rank's share (`ModelConfig.sharded`); o_proj's partial sums are added
     up over the ranks."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layer: int = 0) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
+        self.layer = layer  # its index, for a LoRA adapter's updates
         self.qkv_proj = Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
@@ -206,7 +208,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        lora = meta.lora
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.add(qkv, x, self.layer, "qkv")
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
@@ -216,36 +222,48 @@ class Attention(nn.Module):
         q = rope.apply(q)
         k = rope.apply(k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, c.q_size)))
+        out = out.reshape(-1, c.q_size)
+        projected = self.o_proj(out)
+        if lora is not None:
+            projected = lora.add(projected, out, self.layer, "o")
+        return self.tp.all_reduce(projected)
 
 
 class MLP(nn.Module):
     """`config`: this rank's share of the columns; down_proj's partial sums are added up over
     the ranks."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layer: int = 0) -> None:
         super().__init__()
         self.tp = tp
+        self.layer = layer  # its index, for a LoRA adapter's updates
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.ops: FusedOps | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add(gate_up, x, self.layer, "gate_up")
         if self.ops is not None:
-            return self.tp.all_reduce(self.down_proj(self.ops.silu_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+            hidden = self.ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate) * up
+        out = self.down_proj(hidden)
+        if lora is not None:
+            out = lora.add(out, hidden, self.layer, "down")
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp)
+        self.self_attn = Attention(config, tp, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = MLP(config, tp, layer)
 
     def forward(
         self,
@@ -263,7 +281,7 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_layernorm.add_forward(x, residual)
         x = self.self_attn(normed, rope, kv_cache, meta)
         normed, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(normed), residual
+        return self.mlp(normed, meta.lora), residual
 
 
 class LogitsBuffer:
@@ -310,7 +328,7 @@ class DecoderLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(self.shard_config, self.tp) for _ in range(config.num_layers)
+            DecoderLayer(self.shard_config, self.tp, index) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)

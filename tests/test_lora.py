@@ -1,0 +1,195 @@
+"""LoRA adapters against PEFT: adapters made by `peft` on the tiny Llama (ranks 4 to 64, rsLoRA,
+attention and MLP targets, A and B both random), our greedy texts equal to transformers + PEFT
+in fp32, each adapter alone and all of them mixed with base requests in one step; what we do
+not serve is refused at load naming the field; the prefix cache is never shared across
+adapters or across a reload."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from bulletserve import LLM, LoRARequest, SamplingParams
+from bulletserve.engine.lora import UnknownAdapterError
+from bulletserve.model.peft import AdapterError
+from tests.tiny_models import random_prompts
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, rsLoRA, targets)
+ADAPTERS = {
+    "attn-r4": (4, 8, False, ATTENTION),
+    "mlp-r16": (16, 16, False, MLP),
+    "all-r64-rs": (64, 32, True, "all-linear"),
+    "qv-r8": (8, 16, False, ["q_proj", "v_proj"]),
+}
+
+
+def _make_adapter(base_dir, folder, rank, alpha, rslora, targets, seed):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        use_rslora=rslora,
+        target_modules=targets,
+        init_lora_weights=False,  # B random too, so that every adapter changes the output
+        lora_dropout=0.0,
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.5 / rank**0.5)
+    peft_model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: _make_adapter(tiny_llama_dir, root / name, *settings, seed=index)
+        for index, (name, settings) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def peft_outputs(tiny_llama_dir, adapters):
+    """Greedy tokens of transformers + PEFT (fp32) per adapter (None: the base) and prompt."""
+    import transformers
+    from peft import PeftModel
+
+    prompts = random_prompts(4, seed=3, low=5, high=40)
+    outputs = {}
+    for name in [None, *adapters]:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tiny_llama_dir), dtype=torch.float32
+        )
+        if name is not None:
+            model = PeftModel.from_pretrained(model, str(adapters[name]))
+        model.eval()
+        texts = []
+        for prompt in prompts:
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=MAX_TOKENS,
+                    min_new_tokens=MAX_TOKENS,
+                    do_sample=False,
+                )
+            texts.append(out[0, len(prompt) :].tolist())
+        outputs[name] = texts
+    return prompts, outputs
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_llama_dir, adapters):
+    modules = tuple(f"{name}={path}" for name, path in list(adapters.items())[:2])
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        enable_lora=True,
+        max_lora_rank=64,
+        lora_modules=modules,
+    )
+    yield llm
+    llm.close()
+
+
+def test_each_adapter_alone_equals_peft(lora_llm, adapters, peft_outputs):
+    prompts, expected = peft_outputs
+    assert len({tuple(map(tuple, texts)) for texts in expected.values()}) == len(expected)
+    base = lora_llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in base] == expected[None]
+    for index, (name, path) in enumerate(adapters.items()):
+        request = LoRARequest(name, index + 1, str(path))
+        got = lora_llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=request)
+        assert [o.token_ids for o in got] == expected[name], name
+
+
+def test_every_adapter_and_the_base_mixed_in_one_step(lora_llm, adapters, peft_outputs):
+    prompts, expected = peft_outputs
+    names = [None, *adapters]
+    pairs = [(prompt, name) for name in names for prompt in prompts]
+    requests = [
+        None if name is None else LoRARequest(name, 1, str(adapters[name])) for _, name in pairs
+    ]
+    got = lora_llm.generate(
+        [prompt for prompt, _ in pairs], GREEDY, use_tqdm=False, lora_request=requests
+    )
+    for (prompt, name), output in zip(pairs, got, strict=True):
+        assert output.token_ids == expected[name][prompts.index(prompt)], name
+    assert lora_llm.engine.pool.allocator.num_used == 0
+
+
+def test_the_prefix_cache_is_never_shared_across_adapters_or_a_reload(lora_llm, adapters):
+    engine = lora_llm.engine
+    prompt = random_prompts(1, seed=41, low=64, high=64)[0]
+    first = lora_llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    again = lora_llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0  # the base shares its own prefix
+    name = "attn-r4"
+    one = lora_llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_named(name, adapters))
+    assert one[0].num_cached_tokens == 0
+    two = lora_llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_named(name, adapters))
+    assert two[0].num_cached_tokens > 0
+    engine.lora.load(name, str(adapters["qv-r8"]))  # the name reloaded, another adapter
+    three = lora_llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_named(name, adapters))
+    assert three[0].num_cached_tokens == 0
+    engine.lora.load(name, str(adapters[name]))
+
+
+def _named(name, adapters):
+    return LoRARequest(name, 1, str(adapters[name]))
+
+
+def test_unknown_names_and_adapters_we_do_not_serve_are_refused(
+    tiny_llama_dir, lora_llm, adapters, tmp_path
+):
+    with pytest.raises(UnknownAdapterError, match="no LoRA adapter named 'nope'"):
+        lora_llm.engine.add_request([5, 6, 7], GREEDY, lora_request="nope")
+    plain = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    try:
+        with pytest.raises(ValueError, match="--enable-lora"):
+            plain.generate(
+                [[5, 6]], GREEDY, use_tqdm=False, lora_request=_named("attn-r4", adapters)
+            )
+    finally:
+        plain.close()
+    registry = lora_llm.engine.lora
+    source = adapters["attn-r4"]
+
+    def broken(change=None, drop=None, extra=None):
+        folder = tmp_path / f"broken{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(source, folder)
+        settings = json.loads((folder / "adapter_config.json").read_text())
+        settings.update(change or {})
+        (folder / "adapter_config.json").write_text(json.dumps(settings))
+        if drop:
+            (folder / drop).unlink()
+        if extra:
+            (folder / extra).write_bytes(b"")
+        return folder
+
+    for folder, message in (
+        (broken({"use_dora": True}), "use_dora"),
+        (broken({"modules_to_save": ["lm_head"]}), "modules_to_save"),
+        (broken({"bias": "all"}), "bias"),
+        (broken({"r": 128}), "above --max-lora-rank 64"),
+        (broken({"r": 8}), "do not fit"),
+        (broken(drop="adapter_model.safetensors", extra="adapter_model.bin"), "pickled"),
+        (broken(drop="adapter_config.json"), "no adapter_config.json"),
+    ):
+        with pytest.raises(AdapterError, match=message):
+            registry.load("broken", str(folder))
