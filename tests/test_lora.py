@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import pytest
 import torch
 
 from bulletserve import LLM, LoRARequest, SamplingParams
+from bulletserve.engine.async_engine import AsyncEngine
+from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.lora import UnknownAdapterError
 from bulletserve.model.peft import AdapterError
+from tests.server.harness import running_app
 from tests.tiny_models import random_prompts
 
 MAX_TOKENS = 12
@@ -193,3 +197,40 @@ def test_unknown_names_and_adapters_we_do_not_serve_are_refused(
     ):
         with pytest.raises(AdapterError, match=message):
             registry.load("broken", str(folder))
+
+
+def test_the_server_serves_an_adapter_by_its_model_name(tiny_llama_dir, adapters, peft_outputs):
+    """A request's `model` names its adapter (its output the one PEFT gives); /v1/models lists
+    each adapter with its path and base; an unknown name is a 404 in OpenAI's format."""
+    prompts, expected = peft_outputs
+    name = "mlp-r16"
+    engine = AsyncEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=256,
+            enable_lora=True,
+            lora_modules=(f"{name}={adapters[name]}",),
+        )
+    )
+    try:
+        with running_app(engine, lora_modules={name: str(adapters[name])}) as url:
+            with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+                models = client.get("/v1/models").json()["data"]
+                assert [(m["id"], m["root"], m.get("parent")) for m in models[1:]] == [
+                    (name, str(adapters[name]), "tiny")
+                ]
+                for model, want in ((name, expected[name]), ("tiny", expected[None])):
+                    body = {
+                        "model": model, "prompt": prompts[0], "max_tokens": MAX_TOKENS,
+                        "temperature": 0, "ignore_eos": True,
+                    }  # fmt: skip
+                    reply = client.post("/v1/completions", json=body)
+                    assert reply.status_code == 200, reply.text
+                    text = engine.front.tokenizer.decode(want[0], skip_special_tokens=True)
+                    assert reply.json()["choices"][0]["text"] == text
+                missing = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+                assert missing.status_code == 404
+                assert missing.json()["error"]["message"] == "the model `nope` does not exist"
+    finally:
+        engine.shutdown()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from bulletserve.cli import CLIError
-from bulletserve.engine.config import EngineConfig, add_engine_args
+from bulletserve.engine.config import EngineConfig, add_engine_args, lora_module
 from bulletserve.sched.slo import parse_slo_class
 from bulletserve.server.reasoning import REASONING_PARSERS
 from bulletserve.server.settings import (
@@ -289,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
         log_stats_interval_s=0.0 if args.disable_log_stats else STATS_INTERVAL_S,
         scheduling_policy=config.scheduling_policy,
         slo_classes={"default": config.slo, **args.slo_classes},
+        lora_modules=dict(lora_module(module) for module in config.lora_modules),
     )
     app = build_app(engine, settings)
     # What start-up made (the model's modules, the tokenizer's vocabulary: about 350,000

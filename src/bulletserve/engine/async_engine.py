@@ -105,9 +105,11 @@ class AsyncEngine:
         request_id: str,
         arrival_time: float | None = None,
         service: ServiceClass = ServiceClass(),
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput after every step that advanced the request, the last one
-        finished. ValueError (bad input) is raised before the first yield."""
+        finished (`lora`: the name of its LoRA adapter). ValueError (bad input) is raised
+        before the first yield."""
         decoding = None
         if DecodingState.needs_work_off_loop(params):
             # A grammar to compile or words to tokenize: never on the event loop. Built before
@@ -120,7 +122,13 @@ class AsyncEngine:
             if not self.healthy:
                 raise EngineDeadError(f"the engine has failed: {self.error!r}")
             self.engine.add_request(
-                prompt, params, request_id, arrival_time or time.monotonic(), service, decoding
+                prompt,
+                params,
+                request_id,
+                arrival_time or time.monotonic(),
+                service,
+                decoding,
+                lora,
             )
             self._wake.set()
             async for item in stream_outputs(queue):

@@ -229,6 +229,7 @@ class EngineClient(Protocol):
         request_id: str,
         arrival_time: float | None = None,
         service: ServiceClass = ServiceClass(),
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     def end_streams(self, message: str) -> None: ...

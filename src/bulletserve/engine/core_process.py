@@ -10,12 +10,12 @@ process keeps the tokenizer for prompts, builds each stream's output from the de
 the chunks, while the core runs the next step.
 
 Messages (pickled over two pipes; the engine's config first): to the core `("add", request id,
-prompt ids, params, service, arrival)`, `("abort", request id)`, `("stop",)`; from it
-`("ready", describe lines)` or `("failed", exception)` once, then `("outputs", [deltas])` after
-each step, `("rejected", request id, message)` for a request it refused (a 400; `"faulted"`: its
-handling failed, a 500), `("stats", EngineStats)` a few times a second, and `("dead", message)`
-when a step fails. A core that dies or fails ends every open stream with `EngineDeadError` and
-turns `/health` to 503, as in-process.
+prompt ids, params, service, arrival, LoRA adapter name)`, `("abort", request id)`,
+`("stop",)`; from it `("ready", describe lines)` or `("failed", exception)` once, then
+`("outputs", [deltas])` after each step, `("rejected", request id, message)` for a request it
+refused (a 400; `"faulted"`: its handling failed, a 500), `("stats", EngineStats)` a few times
+a second, and `("dead", message)` when a step fails. A core that dies or fails ends every open
+stream with `EngineDeadError` and turns `/health` to 503, as in-process.
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ class CoreProcess:
         request_id: str,
         arrival_time: float | None = None,
         service: ServiceClass = ServiceClass(),
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As `AsyncEngine.generate`: outputs after every step that advanced the request, the
         last one finished; ValueError (bad input, as the core found it) before the first."""
@@ -222,7 +223,7 @@ class CoreProcess:
             if not self.healthy:
                 raise EngineDeadError(f"the engine core has failed: {self.error!r}")
             arrival = arrival_time or time.monotonic()
-            self._send(("add", request_id, prompt_ids, params, service, arrival))
+            self._send(("add", request_id, prompt_ids, params, service, arrival, lora))
             async for item in stream_outputs(queue):
                 finished = item.finished
                 yield item
@@ -433,6 +434,7 @@ class Core:
         params: SamplingParams,
         service: ServiceClass,
         arrival: float,
+        lora: str | None = None,
     ) -> None:
         try:
             decoding = None
@@ -444,7 +446,9 @@ class Core:
                         aborted = self._preparing.pop(request_id, False)
                 if aborted:  # its client left meanwhile
                     return
-            self.engine.add_request(prompt_ids, params, request_id, arrival, service, decoding)
+            self.engine.add_request(
+                prompt_ids, params, request_id, arrival, service, decoding, lora
+            )
         except ValueError as exc:
             self._send(("rejected", request_id, str(exc)))
             return

@@ -90,9 +90,20 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokens.detokenize(body)
 
+    adapter_cards = [
+        ModelCard(
+            id=name,
+            created=model_card.created,
+            root=path,
+            parent=settings.served_model_name,
+            max_model_len=engine.front.max_model_len,
+        )
+        for name, path in settings.lora_modules.items()
+    ]
+
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card])
+        return ModelList(data=[model_card, *adapter_cards])
 
     @app.get("/health")
     async def health() -> Response:

@@ -230,7 +230,8 @@ class ChatServing:
             admission.release()
             raise
         choices = [
-            ChoiceWork(k, 0, prompt_ids, params.for_choice(k), service) for k in range(width)
+            ChoiceWork(k, 0, prompt_ids, params.for_choice(k), service, serving.adapter(body))
+            for k in range(width)
         ]
         last = body.messages[-1]
         echo = ""

@@ -64,6 +64,7 @@ class CompletionServing:
         admission = serving.admit(body, width * len(prompts))
         try:
             service = serving.service(body)
+            lora = serving.adapter(body)
             structure = await serving.structure(body, request)
             choices, echoes = [], []
             for p, prompt in enumerate(prompts):
@@ -74,7 +75,7 @@ class CompletionServing:
                 )
                 echoes.append(_prompt_text(serving, prompt, ids, body) if body.echo else "")
                 choices += [
-                    ChoiceWork(p * width + k, p, ids, params.for_choice(k), service)
+                    ChoiceWork(p * width + k, p, ids, params.for_choice(k), service, lora)
                     for k in range(width)
                 ]
         except BaseException:

@@ -701,6 +701,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "bulletserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -93,7 +93,10 @@ class Serving:
         """Reject what no generation can serve, before any tokenization; else the places of the
         request's `sequences` among the admitted ones, which the caller releases if it drops
         the request before `outputs` takes them over."""
-        if body.model is not None and body.model != self.model_name:
+        if (
+            body.model not in (None, self.model_name)
+            and body.model not in self.settings.lora_modules
+        ):
             raise APIError(404, f"the model `{body.model}` does not exist", "model")
         check_fields(body)
         if not self.client.healthy:
@@ -112,6 +115,10 @@ class Serving:
                 )
             self._num_admitted += sequences
         return Admission(self, sequences)
+
+    def adapter(self, body: SamplingFields) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base model)."""
+        return body.model if body.model in self.settings.lora_modules else None
 
     def service(self, body: SamplingFields) -> ServiceClass:
         """The request's priority and SLO: its `slo` class (one the server was started with) or
@@ -342,14 +349,15 @@ class Serving:
         last: RequestOutput | None = None
         if self.settings.log_requests:
             logger.info(
-                "request %s: %d prompt tokens, %s",
+                "request %s: %d prompt tokens, %s%s",
                 request_id,
                 len(choice.prompt_ids),
                 choice.params.summary(),
+                "" if choice.lora is None else f", LoRA adapter {choice.lora}",
             )
         try:
             outputs = self.client.generate(
-                choice.prompt_ids, choice.params, request_id, None, choice.service
+                choice.prompt_ids, choice.params, request_id, None, choice.service, choice.lora
             )
             async for output in outputs:
                 last = output
@@ -474,6 +482,7 @@ class ChoiceWork:
     prompt_ids: list[int]
     params: SamplingParams
     service: ServiceClass = ServiceClass()
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 def new_request_id(prefix: str) -> str:

@@ -50,3 +50,5 @@ class ServerSettings:
     # SLO classes a request may name in its `slo` field: "default" (the server's --slo-*
     # flags) and each --slo-class.
     slo_classes: dict[str, SLO] = field(default_factory=dict)
+    # --enable-lora's adapters by name (their paths): a request's `model` may name one.
+    lora_modules: dict[str, str] = field(default_factory=dict)

@@ -21,7 +21,8 @@ class TokenServing:
         self.serving = chat.serving
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.serving.model_name:
+        known = (None, self.serving.model_name, *self.serving.settings.lora_modules)
+        if model not in known:
             raise APIError(404, f"the model `{model}` does not exist", "model")
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
