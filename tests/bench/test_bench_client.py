@@ -77,3 +77,12 @@ def test_the_request_carries_the_temperature_only_when_one_is_given():
     assert "temperature" not in Target("http://127.0.0.1:1", "m").payload("hi", 4)
     body = Target("http://127.0.0.1:1", "m", ignore_eos=True, temperature=0.0).payload("hi", 4)
     assert body["temperature"] == 0.0 and body["ignore_eos"] is True
+
+
+def test_requests_name_the_lora_adapters_in_turn():
+    """`bullet bench --lora-modules a,b base`: request i names the i-th name, round robin."""
+    target = Target("http://127.0.0.1:1", "base", lora_modules=("a", "b", "base"))
+    assert [target.payload("hi", 4, None, i)["model"] for i in range(5)] == [
+        "a", "b", "base", "a", "b"
+    ]  # fmt: skip
+    assert Target("http://127.0.0.1:1", "base").payload("hi", 4, None, 3)["model"] == "base"

@@ -49,6 +49,8 @@ class Target:
     # --scheduling-policy priority and --slo-class).
     send_priority: bool = False
     send_slo: bool = False
+    # LoRA adapters (or the base model's name) the requests name in turn (none: `model`).
+    lora_modules: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -59,10 +61,18 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def payload(
-        self, prompt: str, max_tokens: int, workload_class: WorkloadClass | None = None
+        self,
+        prompt: str,
+        max_tokens: int,
+        workload_class: WorkloadClass | None = None,
+        index: int = 0,
     ) -> dict:
+        """Request number `index`'s body."""
+        model = self.model
+        if self.lora_modules:
+            model = self.lora_modules[index % len(self.lora_modules)]
         body: dict = {
-            "model": self.model,
+            "model": model,
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -126,7 +136,9 @@ async def send_request(
     record.start_s = start - clock_origin
     try:
         async with client.stream(
-            "POST", target.url, json=target.payload(prompt, record.max_tokens, workload_class),
+            "POST",
+            target.url,
+            json=target.payload(prompt, record.max_tokens, workload_class, record.index),
             headers=target.headers,
         ) as response:  # fmt: skip
             if response.status_code != 200:

@@ -45,6 +45,7 @@ class BenchConfig:
     service_classes: tuple[WorkloadClass, ...] = ()
     send_priority: bool = False
     send_slo: bool = False
+    lora_modules: tuple[str, ...] = ()  # names the requests take in turn (vLLM's --lora-modules)
     label: str | None = None
     api_key: str | None = field(default=None, repr=False)
     request_timeout_s: float = 600.0
@@ -82,6 +83,7 @@ async def run_benchmark(
             config.temperature,
             config.send_priority,
             config.send_slo,
+            config.lora_modules,
         )
         classes = (
             assign_classes(len(workload), list(config.service_classes), config.seed)

@@ -66,6 +66,14 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     target.add_argument("--base-url", default="http://127.0.0.1:8000")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     target.add_argument("--model", help="model name to request (default: the server's first)")
+    target.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME",
+        help="LoRA adapters served (names, space- or comma-separated; the base model's name "
+        "for base requests): the requests name them in turn",
+    )
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     target.add_argument(
         "--request-timeout",
@@ -298,6 +306,9 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         service_classes=service_classes(args),
         send_priority=args.send_priority,
         send_slo=args.send_slo,
+        lora_modules=tuple(
+            name for entry in args.lora_modules for name in entry.split(",") if name
+        ),
         label=args.label,
         api_key=args.api_key,
         request_timeout_s=args.request_timeout,
