@@ -25,7 +25,7 @@ from bulletserve.model.cpu_kernels import (
 )
 from bulletserve.model.decoder import DecoderLM, Linear, LogitsBuffer
 from bulletserve.model.file_error import ModelFileError
-from bulletserve.model.lora import AdapterWeights, lora_batch
+from bulletserve.model.lora import AdapterStacks, AdapterWeights, lora_batch
 
 # On a CPU, oneDNN (which runs PyTorch's bf16 and fp16 GEMMs, and the oneDNN packed projections
 # in any dtype; PyTorch's own fp32 GEMM goes to MKL, and our blocked one to our C, which do
@@ -219,6 +219,7 @@ class ModelRunner:
         self.device = device
         self.tp = model.tp
         self.block_size = pool.block_size
+        self.lora_stacks = AdapterStacks()  # the LoRA adapter sets steps met, stacked
         self._block_offsets = torch.arange(self.block_size)
         config = model.shard_config
         group = config.num_heads // config.num_kv_heads
@@ -339,6 +340,8 @@ class ModelRunner:
                     (work.lora, start, start + len(work.token_ids))
                     for work, start in zip(works, query_starts, strict=True)
                 ],
+                len(input_ids),
+                self.lora_stacks,
                 self.device,
             )
         meta = AttentionMetadata(
