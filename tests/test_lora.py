@@ -112,6 +112,8 @@ def lora_llm(tiny_llama_dir, adapters):
 
 def test_each_adapter_alone_equals_peft(lora_llm, adapters, peft_outputs):
     prompts, expected = peft_outputs
+    (line,) = [line for line in lora_llm.engine.describe() if line.startswith("LoRA adapters")]
+    assert "attn-r4 (rank 4, from" in line and "mlp-r16 (rank 16" in line
     assert len({tuple(map(tuple, texts)) for texts in expected.values()}) == len(expected)
     base = lora_llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in base] == expected[None]
@@ -122,18 +124,42 @@ def test_each_adapter_alone_equals_peft(lora_llm, adapters, peft_outputs):
 
 
 def test_every_adapter_and_the_base_mixed_in_one_step(lora_llm, adapters, peft_outputs):
+    _mixed(lora_llm, adapters, peft_outputs)
+
+
+@pytest.mark.parametrize("policy", ["prefill-first", "bullet"])
+def test_mixed_under_the_other_policies(tiny_llama_dir, adapters, peft_outputs, policy):
+    """Prefill-first's whole prompts, and Bullet's two lanes (a prefill pass in layer groups
+    beside the decode lane's steps) give PEFT's texts too."""
+    settings = {"prefill_layers_per_step": 1} if policy == "bullet" else {}
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        enable_lora=True,
+        max_lora_rank=64,
+        policy=policy,
+        **settings,
+    )
+    try:
+        _mixed(llm, adapters, peft_outputs)
+    finally:
+        llm.close()
+
+
+def _mixed(llm, adapters, peft_outputs):
     prompts, expected = peft_outputs
     names = [None, *adapters]
     pairs = [(prompt, name) for name in names for prompt in prompts]
     requests = [
         None if name is None else LoRARequest(name, 1, str(adapters[name])) for _, name in pairs
     ]
-    got = lora_llm.generate(
+    got = llm.generate(
         [prompt for prompt, _ in pairs], GREEDY, use_tqdm=False, lora_request=requests
     )
     for (prompt, name), output in zip(pairs, got, strict=True):
         assert output.token_ids == expected[name][prompts.index(prompt)], name
-    assert lora_llm.engine.pool.allocator.num_used == 0
+    assert llm.engine.pool.allocator.num_used == 0
 
 
 def test_the_prefix_cache_is_never_shared_across_adapters_or_a_reload(lora_llm, adapters):

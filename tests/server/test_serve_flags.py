@@ -132,8 +132,9 @@ def test_the_startup_block_says_what_runs():
         "policy: bullet (partition auto; SLO TTFT 3 ms a prompt token + 0 ms, TPOT 200 ms" in text
     )
     assert "profile measured at start" in text
-    assert lines[-3].startswith("kernels: projections ")
-    assert lines[-2] == "speculative decoding: off"
+    assert lines[-4].startswith("kernels: projections ")
+    assert lines[-3] == "speculative decoding: off"
+    assert lines[-2] == "LoRA adapters: off"
     # On a CPU the engine waits for the event loop's hand-off; on a GPU it would step on.
     assert lines[-1].startswith("engine: a thread of the server process; it waits for the ")
     assert engine.engine.life.acks_handoff

@@ -381,7 +381,18 @@ class LLMEngine:
             + (
                 "off" if config.speculative_config is None else config.speculative_config.describe()
             ),
+            f"LoRA adapters: {self._describe_lora()}",
         ]
+
+    def _describe_lora(self) -> str:
+        if self.lora is None:
+            return "off"
+        adapters = self.lora.adapters
+        held = ", ".join(
+            f"{a.name} (rank {a.weights.rank}, from {a.path}, loaded in {a.load_s:.2f} s)"
+            for a in adapters
+        )
+        return f"on, rank up to {self.config.max_lora_rank}; " + (held or "none loaded yet")
 
     def stats(self) -> EngineStats:
         """The queues, the KV cache and the counters now (read without the engine's locks: a

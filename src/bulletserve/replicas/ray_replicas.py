@@ -77,8 +77,10 @@ class ReplicaActor:
         params: SamplingParams,
         request_id: str,
         service: ServiceClass,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        async for output in self.engine.generate(prompt_ids, params, request_id, None, service):
+        outputs = self.engine.generate(prompt_ids, params, request_id, None, service, lora)
+        async for output in outputs:
             yield output
 
     def stats(self) -> EngineStats:
@@ -201,13 +203,15 @@ class RayReplicas:
         request_id: str,
         arrival_time: float | None = None,
         service: ServiceClass = ServiceClass(),
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs from the replica the router chose. A replica that dies before
+        """The request's outputs from the replica the router chose (`lora`: its LoRA adapter,
+        which every replica holds). A replica that dies before
         the request's first output hands it to another (nothing has reached the client yet)."""
         prompt_ids = self.front.tokenize(prompt)
         self.front.check_prompt(prompt_ids)
         for _ in self._replicas:
-            index, replica, stream = self._send(prompt_ids, params, request_id, service)
+            index, replica, stream = self._send(prompt_ids, params, request_id, service, lora)
             waiting, finished = True, False
             try:
                 async for ref in stream:
@@ -241,20 +245,25 @@ class RayReplicas:
         params: SamplingParams,
         request_id: str,
         service: ServiceClass,
+        lora: str | None = None,
     ) -> tuple[int, _Replica, Any]:
-        """Route the request and start it there: (replica index, replica, its output stream)."""
+        """Route the request and start it there: (replica index, replica, its output stream).
+        A prefix is another under each adapter (its KV is the adapter's)."""
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             try:
-                index = self.router.choose(self._loads(), prefix_key(prompt_ids))
+                key = prefix_key(prompt_ids)
+                if key is not None and lora is not None:
+                    key = hash((key, lora))
+                index = self.router.choose(self._loads(), key)
             except NoReplicaError as exc:
                 raise EngineDeadError(str(exc)) from None
             replica = self._replicas[index]
             replica.waiting_tokens += len(prompt_ids)
             replica.open_streams += 1
             stream = replica.actor.generate.options(num_returns="streaming").remote(
-                prompt_ids, params, request_id, service
+                prompt_ids, params, request_id, service, lora
             )
             self._streams[request_id] = stream
         return index, replica, stream
