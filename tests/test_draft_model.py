@@ -70,6 +70,8 @@ def test_outputs_equal_without_speculation_greedy_and_seeded(tiny_llama_dir, dra
             assert _pools_empty(spec)
         counters = spec.engine.executor.speculator.counters
         assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+        if policy != "chunked":
+            return  # the draw is the sampler's, whichever lane verifies
         # Unseeded and random: drafts drawn at the request's temperature and verified by
         # rejection sampling (its distribution: tests/test_sampler.py); the outputs keep their
         # lengths and most drafts hold, the draft being the target with a little noise.

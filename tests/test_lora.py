@@ -30,7 +30,6 @@ ADAPTERS = {
     "attn-r4": (4, 8, False, ATTENTION),
     "mlp-r16": (16, 16, False, MLP),
     "all-r64-rs": (64, 32, True, "all-linear"),
-    "qv-r8": (8, 16, False, ["q_proj", "v_proj"]),
 }
 
 
@@ -72,7 +71,7 @@ def peft_outputs(tiny_llama_dir, adapters):
     import transformers
     from peft import PeftModel
 
-    prompts = random_prompts(4, seed=3, low=5, high=40)
+    prompts = random_prompts(3, seed=3, low=5, high=40)
     outputs = {}
     for name in [None, *adapters]:
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -174,7 +173,7 @@ def test_the_prefix_cache_is_never_shared_across_adapters_or_a_reload(lora_llm, 
     assert one[0].num_cached_tokens == 0
     two = lora_llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_named(name, adapters))
     assert two[0].num_cached_tokens > 0
-    engine.lora.load(name, str(adapters["qv-r8"]))  # the name reloaded, another adapter
+    engine.lora.load(name, str(adapters["mlp-r16"]))  # the name reloaded, another adapter
     three = lora_llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_named(name, adapters))
     assert three[0].num_cached_tokens == 0
     engine.lora.load(name, str(adapters[name]))
