@@ -254,8 +254,26 @@ def test_the_server_serves_an_adapter_by_its_model_name(tiny_llama_dir, adapters
                     assert reply.status_code == 200, reply.text
                     text = engine.front.tokenizer.decode(want[0], skip_special_tokens=True)
                     assert reply.json()["choices"][0]["text"] == text
+                metrics = client.get("/metrics").text
+                assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters=""' in metrics
                 missing = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
                 assert missing.status_code == 404
                 assert missing.json()["error"]["message"] == "the model `nope` does not exist"
     finally:
         engine.shutdown()
+
+
+def test_the_engine_counts_each_adapters_requests(lora_llm):
+    engine = lora_llm.engine
+    for index in range(3):
+        engine.add_request([5, 6, 7 + index], GREEDY, lora_request="attn-r4")
+    engine.add_request([5, 6, 9], GREEDY)
+    engine.step()  # takes them in and runs their prompts
+    stats = engine.stats()
+    assert stats.running_loras == {"attn-r4": 3} and stats.waiting_loras == {}
+    assert stats.max_loras == len(engine.lora.adapters)
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert engine.stats().running_loras == {} and engine.pool.allocator.num_used == 0

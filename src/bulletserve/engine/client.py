@@ -183,6 +183,11 @@ class EngineStats:
     # SLO class (`ServiceClass.name`) -> requests of it waiting.
     waiting_by_class: dict[str, int] = field(default_factory=dict)
     spec: SpecCounters | None = None  # speculative decoding's (None: it is off)
+    # LoRA adapter name -> its requests running and waiting; how many adapters a step may
+    # hold (every adapter loaded: no per-step bound); None where LoRA is off.
+    running_loras: dict[str, int] = field(default_factory=dict)
+    waiting_loras: dict[str, int] = field(default_factory=dict)
+    max_loras: int | None = None
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(
@@ -198,6 +203,9 @@ class EngineStats:
             self.generation_tokens + other.generation_tokens,
             waiting_by_class=dict(Counter(self.waiting_by_class) + Counter(other.waiting_by_class)),
             spec=other.spec if self.spec is None else self.spec + (other.spec or SpecCounters()),
+            running_loras=dict(Counter(self.running_loras) + Counter(other.running_loras)),
+            waiting_loras=dict(Counter(self.waiting_loras) + Counter(other.waiting_loras)),
+            max_loras=self.max_loras if other.max_loras is None else other.max_loras,
         )
 
 

@@ -414,6 +414,9 @@ class LLMEngine:
             step_times=self.executor.step_times(),
             waiting_by_class=dict(Counter(r.service.name for r in waiting)),
             spec=self.executor.spec_counters(),
+            running_loras=dict(Counter(r.lora.name for r in self.running if r.lora is not None)),
+            waiting_loras=dict(Counter(r.lora.name for r in waiting if r.lora is not None)),
+            max_loras=None if self.lora is None else len(self.lora.adapters),
         )
 
     def close(self) -> None:

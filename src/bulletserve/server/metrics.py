@@ -7,6 +7,7 @@ figures are read from the engine at scrape time. Each server has its own registr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -96,6 +97,23 @@ class _EngineCollector(Collector):
             yield counter
         if stats.spec is not None:
             yield from _spec_counters(stats.spec, self.model_name)
+        if stats.max_loras is not None:
+            # vLLM's: the adapters with requests running and waiting in its labels, its value
+            # when they were read.
+            adapters = GaugeMetricFamily(
+                "bullet:lora_requests_info",
+                "Running stats on LoRA requests.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            adapters.add_metric(
+                [
+                    ",".join(sorted(stats.running_loras)),
+                    ",".join(sorted(stats.waiting_loras)),
+                    str(stats.max_loras),
+                ],
+                time.time(),
+            )
+            yield adapters
         if stats.lane_units:
             units = GaugeMetricFamily(
                 "bullet:lane_units", "Compute units (SMs or CPU threads) each lane has now.",
@@ -159,6 +177,7 @@ VLLM_NAMES = frozenset(
         "generation_tokens", "request_success", "prefix_cache_queries", "prefix_cache_hits",
         "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
         "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+        "lora_requests_info",
     }
 )  # fmt: skip
 
