@@ -226,7 +226,9 @@ def test_unknown_names_and_adapters_we_do_not_serve_are_refused(
 
 def test_the_server_serves_an_adapter_by_its_model_name(tiny_llama_dir, adapters, peft_outputs):
     """A request's `model` names its adapter (its output the one PEFT gives); /v1/models lists
-    each adapter with its path and base; an unknown name is a 404 in OpenAI's format."""
+    each adapter with its path and base; an unknown name is a 404 in OpenAI's format; with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING adapters are loaded and unloaded at run time (else the
+    endpoints refuse, naming it)."""
     prompts, expected = peft_outputs
     name = "mlp-r16"
     engine = AsyncEngine(
@@ -235,6 +237,7 @@ def test_the_server_serves_an_adapter_by_its_model_name(tiny_llama_dir, adapters
             dtype="float32",
             max_model_len=256,
             enable_lora=True,
+            max_lora_rank=64,
             lora_modules=(f"{name}={adapters[name]}",),
         )
     )
@@ -259,6 +262,35 @@ def test_the_server_serves_an_adapter_by_its_model_name(tiny_llama_dir, adapters
                 missing = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
                 assert missing.status_code == 404
                 assert missing.json()["error"]["message"] == "the model `nope` does not exist"
+                off = client.post(
+                    "/v1/load_lora_adapter",
+                    json={"lora_name": "late", "lora_path": str(adapters["all-r64-rs"])},
+                )
+                assert off.status_code == 400
+                assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in off.json()["error"]["message"]
+        modules = {name: str(adapters[name])}
+        with running_app(engine, lora_modules=modules, runtime_lora_updates=True) as url:
+            with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+                late = {"lora_name": "late", "lora_path": str(adapters["all-r64-rs"])}
+                assert client.post("/v1/load_lora_adapter", json=late).status_code == 200
+                again = client.post("/v1/load_lora_adapter", json=late)
+                assert again.status_code == 400 and "already" in again.text
+                models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+                assert models == ["tiny", name, "late"]
+                body = {
+                    "model": "late", "prompt": prompts[1], "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True,
+                }  # fmt: skip
+                text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                want = expected["all-r64-rs"][1]
+                assert text == engine.front.tokenizer.decode(want, skip_special_tokens=True)
+                gone = {"lora_name": "late"}
+                assert client.post("/v1/unload_lora_adapter", json=gone).status_code == 200
+                assert client.post("/v1/completions", json=body).status_code == 404
+                assert client.post("/v1/unload_lora_adapter", json=gone).status_code == 404
+                broken = {"lora_name": "bad", "lora_path": str(url)}
+                refused = client.post("/v1/load_lora_adapter", json=broken)
+                assert refused.status_code == 400 and "adapter_config.json" in refused.text
     finally:
         engine.shutdown()
 

@@ -89,6 +89,13 @@ def test_streaming_through_the_router(replicas):
         assert "bullet:kv_cache_blocks_total" in metrics
 
 
+def test_a_lora_load_reaches_every_replica(replicas):
+    """Each replica's engine answers (these serve no LoRA: their engines started without
+    --enable-lora), and the first refusal is the caller's error."""
+    with pytest.raises(ValueError, match="--enable-lora"):
+        asyncio.run(replicas.load_lora_adapter("late", "/nowhere"))
+
+
 def test_replicas_the_cluster_cannot_hold_are_refused_at_once(replicas):
     config = EngineConfig(model="tiny", load_format="dummy", num_threads=1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="2 replicas of 2 CPUs each need 4 CPUs"):

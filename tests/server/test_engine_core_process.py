@@ -18,6 +18,7 @@ import pytest
 
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.core_process import STATS_INTERVAL_S, CoreProcess
+from bulletserve.engine.lora import UnknownAdapterError
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.server.metrics import ServerMetrics
 from tests.server.harness import (
@@ -198,3 +199,13 @@ def test_bullet_serve_under_async_scheduling_answers_as_serial_steps_and_exits_w
         )
     finally:
         server.stop()
+
+
+def test_lora_loads_and_unloads_cross_the_pipe_with_the_cores_answer(core):
+    """The core's answer to a runtime adapter load or unload comes back as the engine's own
+    error: this core serves no LoRA (its engine started without --enable-lora)."""
+    with pytest.raises(ValueError, match="--enable-lora"):
+        asyncio.run(core.load_lora_adapter("late", "/nowhere"))
+    with pytest.raises(UnknownAdapterError, match="'late'"):
+        asyncio.run(core.unload_lora_adapter("late"))
+    assert core.healthy

@@ -290,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
         scheduling_policy=config.scheduling_policy,
         slo_classes={"default": config.slo, **args.slo_classes},
         lora_modules=dict(lora_module(module) for module in config.lora_modules),
+        runtime_lora_updates=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower()
+        in ("1", "true"),
     )
     app = build_app(engine, settings)
     # What start-up made (the model's modules, the tokenizer's vocabulary: about 350,000

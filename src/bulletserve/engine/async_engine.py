@@ -140,6 +140,13 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._wake.set()
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        # Reading the adapter's file: off the event loop, beside the engine's steps.
+        await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.engine.unload_lora_adapter(name)
+
     def end_streams(self, message: str) -> None:
         """End every open stream with StreamEndedError(message), which aborts its request.
         Called on the event loop the streams were opened on."""

@@ -11,16 +11,19 @@ the chunks, while the core runs the next step.
 
 Messages (pickled over two pipes; the engine's config first): to the core `("add", request id,
 prompt ids, params, service, arrival, LoRA adapter name)`, `("abort", request id)`,
-`("stop",)`; from it `("ready", describe lines)` or `("failed", exception)` once, then
-`("outputs", [deltas])` after each step, `("rejected", request id, message)` for a request it
-refused (a 400; `"faulted"`: its handling failed, a 500), `("stats", EngineStats)` a few times
-a second, and `("dead", message)` when a step fails. A core that dies or fails ends every open
-stream with `EngineDeadError` and turns `/health` to 503, as in-process.
+`("lora", token, "load" or "unload", name, path)`, `("stop",)`; from it `("ready", describe
+lines)` or `("failed", exception)` once, then `("outputs", [deltas])` after each step,
+`("rejected", request id, message)` for a request it refused (a 400; `"faulted"`: its handling
+failed, a 500), `("stats", EngineStats)` a few times a second, `("lora_done", token, failure or
+None, message)` for each load or unload, and `("dead", message)` when a step fails. A core that
+dies or fails ends every open stream with `EngineDeadError` and turns `/health` to 503, as
+in-process.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +42,7 @@ from bulletserve.engine.client import DecodingState, EngineStats, ModelFront
 from bulletserve.engine.config import EngineConfig
 from bulletserve.engine.engine import LLMEngine
 from bulletserve.engine.factory import create_engine
+from bulletserve.engine.lora import UnknownAdapterError
 from bulletserve.engine.request import RequestOutput, RequestTimings, TokenLogprob
 from bulletserve.engine.sampling_params import SamplingParams
 from bulletserve.engine.streams import StreamRegistry, stream_outputs
@@ -154,6 +159,8 @@ class CoreProcess:
         self._stats = EngineStats()
         self._error: BaseException | None = None
         self._stopping = False
+        # LoRA loads and unloads the core has yet to answer: token -> (loop, future).
+        self._lora_waits: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         if not self._outputs.poll(START_TIMEOUT_S):
             self._process.kill()
             raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:g} s")
@@ -236,6 +243,26 @@ class CoreProcess:
                 except EngineDeadError:
                     pass  # nothing left to abort
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self._lora("load", name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._lora("unload", name, None)
+
+    async def _lora(self, operation: str, name: str, path: str | None) -> None:
+        """Ask the core to load or unload an adapter and wait for its answer."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine core has failed: {self.error!r}")
+        token = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._lora_waits[token] = (loop, future)
+        try:
+            self._send(("lora", token, operation, name, path))
+            await future
+        finally:
+            self._lora_waits.pop(token, None)
+
     def end_streams(self, message: str) -> None:
         """End every open stream with StreamEndedError(message), which aborts its request.
         Called on the event loop the streams were opened on."""
@@ -278,6 +305,8 @@ class CoreProcess:
                     request_id, message = payload
                     error = EngineDeadError(f"request {request_id}: {message}")
                     self._streams.hand_over([(request_id, error)])
+                elif kind == "lora_done":
+                    self._lora_done(*payload)
                 elif kind == "dead":
                     self._error = EngineDeadError(f"engine fault: {payload[0]}")
                     break
@@ -292,6 +321,28 @@ class CoreProcess:
             self._error = EngineDeadError(f"the engine core exited ({status})")
         logger.error("%s", self.error)
         self._streams.hand_over([(request_id, self.error) for request_id in self._streams.ids()])
+
+    def _lora_done(self, token: str, failure: str | None, message: str) -> None:
+        """The core's answer to a load or unload: none (done), or the error it raised."""
+        waiting = self._lora_waits.get(token)
+        if waiting is None:
+            return
+        loop, future = waiting
+        error: BaseException | None = None
+        if failure == "unknown":
+            error = UnknownAdapterError(message)
+        elif failure is not None:
+            error = ValueError(message)
+
+        def answer() -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+        loop.call_soon_threadsafe(answer)
 
     def _deliver(self, deltas: list[OutputDelta]) -> None:
         """A step's outputs to their streams (one wake-up per event loop): each stream's output
@@ -420,12 +471,29 @@ class Core:
                             continue
                     self.engine.abort_request(payload[0])
                     self._wake.set()
+                elif kind == "lora":
+                    self._decoding.submit(self._lora, *payload)
                 elif kind == "stop":
                     break
         except (EOFError, OSError):
             pass  # the server's process has gone: stop too
         self._stop.set()
         self._wake.set()
+
+    def _lora(self, token: str, operation: str, name: str, path: str | None) -> None:
+        """Load or unload an adapter (off the reader: loading reads its file) and answer."""
+        failure, message = None, ""
+        try:
+            if operation == "load":
+                assert path is not None
+                self.engine.load_lora_adapter(name, path)
+            else:
+                self.engine.unload_lora_adapter(name)
+        except UnknownAdapterError as exc:
+            failure, message = "unknown", str(exc)
+        except ValueError as exc:
+            failure, message = "invalid", str(exc)
+        self._send(("lora_done", token, failure, message))
 
     def _add(
         self,

@@ -304,6 +304,22 @@ class LLMEngine:
         self.executor.wake()
         return request.request_id
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` under `name` from now on (vLLM's runtime load);
+        ValueError where LoRA is off, the name is taken or the adapter cannot be served."""
+        if self.lora is None:
+            raise ValueError("a LoRA adapter needs the engine started with --enable-lora")
+        if self.lora.get(name) is not None:
+            raise ValueError(f"the LoRA adapter {name!r} is already loaded; unload it first")
+        self.lora.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Serve the adapter `name` no more (requests running with it finish with it);
+        `UnknownAdapterError` where none has the name."""
+        if self.lora is None or self.lora.get(name) is None:
+            raise UnknownAdapterError(f"no LoRA adapter named {name!r} is loaded")
+        self.lora.unload(name)
+
     def lora_adapter(self, lora_request: LoRARequest | str | None) -> LoadedAdapter | None:
         """The adapter a request names (None: the base model); ValueError where the engine
         serves none, or none of that name (`UnknownAdapterError`)."""

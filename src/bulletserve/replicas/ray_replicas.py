@@ -12,6 +12,7 @@ open requests fail with the cause); the others keep serving.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
@@ -82,6 +83,12 @@ class ReplicaActor:
         outputs = self.engine.generate(prompt_ids, params, request_id, None, service, lora)
         async for output in outputs:
             yield output
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self.engine.load_lora_adapter(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.engine.unload_lora_adapter(name)
 
     def stats(self) -> EngineStats:
         if not self.engine.healthy:
@@ -267,6 +274,15 @@ class RayReplicas:
             )
             self._streams[request_id] = stream
         return index, replica, stream
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """On every replica (each serves every adapter)."""
+        await asyncio.gather(
+            *(r.actor.load_lora_adapter.remote(name, path) for r in self._replicas)
+        )
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await asyncio.gather(*(r.actor.unload_lora_adapter.remote(name) for r in self._replicas))
 
     def end_streams(self, message: str) -> None:
         """End every open stream (the server's shutdown): each raises StreamEndedError."""

@@ -25,10 +25,12 @@ from bulletserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from bulletserve.server.serving import Serving, now
 from bulletserve.server.settings import ServerSettings
@@ -90,20 +92,29 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await tokens.detokenize(body)
 
-    adapter_cards = [
-        ModelCard(
-            id=name,
-            created=model_card.created,
-            root=path,
-            parent=settings.served_model_name,
-            max_model_len=engine.front.max_model_len,
-        )
-        for name, path in settings.lora_modules.items()
-    ]
-
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
+        adapter_cards = [
+            ModelCard(
+                id=name,
+                created=model_card.created,
+                root=path,
+                parent=settings.served_model_name,
+                max_model_len=engine.front.max_model_len,
+            )
+            for name, path in serving.adapters.items()
+        ]
         return ModelList(data=[model_card, *adapter_cards])
+
+    @app.post("/v1/load_lora_adapter", responses=_ERRORS)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        await serving.load_adapter(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        await serving.unload_adapter(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> Response:

@@ -495,6 +495,20 @@ class TokenizeRequest(ChatTemplateFields):
         return self
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's `POST /v1/load_lora_adapter`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's `POST /v1/unload_lora_adapter`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]

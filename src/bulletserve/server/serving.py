@@ -75,6 +75,9 @@ class Serving:
         self.tokenizer = engine.front.tokenizer
         self.settings = settings
         self.metrics = metrics
+        # The LoRA adapters served, by name (their paths): those of the start, and those
+        # loaded and unloaded at run time since.
+        self.adapters = dict(settings.lora_modules)
         # Requests admitted and not yet ended: counted at admission, with no await between the
         # check and the count, so that a burst cannot overshoot --max-waiting-requests.
         self._num_admitted = 0
@@ -93,10 +96,7 @@ class Serving:
         """Reject what no generation can serve, before any tokenization; else the places of the
         request's `sequences` among the admitted ones, which the caller releases if it drops
         the request before `outputs` takes them over."""
-        if (
-            body.model not in (None, self.model_name)
-            and body.model not in self.settings.lora_modules
-        ):
+        if body.model not in (None, self.model_name) and body.model not in self.adapters:
             raise APIError(404, f"the model `{body.model}` does not exist", "model")
         check_fields(body)
         if not self.client.healthy:
@@ -118,7 +118,34 @@ class Serving:
 
     def adapter(self, body: SamplingFields) -> str | None:
         """The LoRA adapter the request's `model` names (None: the base model)."""
-        return body.model if body.model in self.settings.lora_modules else None
+        return body.model if body.model in self.adapters else None
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` from now on (400 naming what is wrong)."""
+        self._check_runtime_updates()
+        if name in (self.model_name, *self.adapters):
+            raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", "lora_name")
+        try:
+            await self.client.load_lora_adapter(name, path)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "lora_path") from None
+        self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        """Serve the adapter `name` no more (404 where none has the name)."""
+        self._check_runtime_updates()
+        if name not in self.adapters:
+            raise APIError(404, f"the LoRA adapter {name!r} cannot be found", "lora_name")
+        del self.adapters[name]
+        await self.client.unload_lora_adapter(name)
+
+    def _check_runtime_updates(self) -> None:
+        if not self.settings.runtime_lora_updates:
+            raise APIError(
+                400,
+                "loading and unloading LoRA adapters at run time is off: start the server with "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (and --enable-lora)",
+            )
 
     def service(self, body: SamplingFields) -> ServiceClass:
         """The request's priority and SLO: its `slo` class (one the server was started with) or

@@ -52,3 +52,5 @@ class ServerSettings:
     slo_classes: dict[str, SLO] = field(default_factory=dict)
     # --enable-lora's adapters by name (their paths): a request's `model` may name one.
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # Adapters loaded and unloaded at run time (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    runtime_lora_updates: bool = False

@@ -21,7 +21,7 @@ class TokenServing:
         self.serving = chat.serving
 
     def _check_model(self, model: str | None) -> None:
-        known = (None, self.serving.model_name, *self.serving.settings.lora_modules)
+        known = (None, self.serving.model_name, *self.serving.adapters)
         if model not in known:
             raise APIError(404, f"the model `{model}` does not exist", "model")
 
