@@ -303,9 +303,38 @@ def test_the_engine_counts_each_adapters_requests(lora_llm):
     engine.step()  # takes them in and runs their prompts
     stats = engine.stats()
     assert stats.running_loras == {"attn-r4": 3} and stats.waiting_loras == {}
-    assert stats.max_loras == len(engine.lora.adapters)
+    assert stats.max_loras == len(engine.lora.served)
     for _ in range(100):
         if not engine.has_unfinished():
             break
         engine.step()
     assert engine.stats().running_loras == {} and engine.pool.allocator.num_used == 0
+
+
+def test_at_most_max_cpu_loras_adapters_stay_in_memory(tiny_llama_dir, adapters, peft_outputs):
+    """--max-cpu-loras 1 over three adapters: one in memory at a time, the others read again
+    from their folders when asked for (their load generation, and so their cached prefixes,
+    kept), each still giving PEFT's texts."""
+    prompts, expected = peft_outputs
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_model_len=256,
+        enable_lora=True,
+        max_lora_rank=64,
+        max_cpu_loras=1,
+        lora_modules=tuple(f"{name}={path}" for name, path in adapters.items()),
+    )
+    try:
+        registry = llm.engine.lora
+        assert registry.num_resident == 1 and len(registry.served) == 3
+        for _ in range(2):
+            for name in adapters:
+                got = llm.generate(
+                    prompts[:1], GREEDY, use_tqdm=False, lora_request=_named(name, adapters)
+                )
+                assert got[0].token_ids == expected[name][0], name
+                assert registry.num_resident == 1
+        assert {s.generation for s in registry.served.values()} == {0}
+    finally:
+        llm.close()

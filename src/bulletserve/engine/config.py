@@ -61,6 +61,7 @@ class EngineConfig(SchedulerConfig):
     enable_lora: bool = False
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in memory (None: every one served)
     lora_dtype: str = "auto"  # the adapters' weights: auto (the model's dtype) or a dtype
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # The SLO the bullet policy schedules for (and /metrics counts attainment against).
@@ -130,6 +131,8 @@ class EngineConfig(SchedulerConfig):
                 lora_module(module)
             if self.max_lora_rank < 1:
                 raise ValueError(f"--max-lora-rank must be >= 1, not {self.max_lora_rank}")
+            if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+                raise ValueError(f"--max-cpu-loras must be >= 1, not {self.max_cpu_loras}")
             if self.tensor_parallel_size > 1:
                 raise ValueError(
                     "--enable-lora with --tensor-parallel-size > 1 is not built yet: the "
@@ -406,6 +409,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="the highest adapter rank served (vLLM's default 16); a higher one is refused at load",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="the adapters kept in memory, the least recently used read again from its folder "
+        "when next asked for (default: every adapter served)",
     )
     lora.add_argument(
         "--lora-dtype",

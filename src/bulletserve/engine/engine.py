@@ -161,7 +161,11 @@ class LLMEngine:
                         f"{config.lora_dtype!r}"
                     ) from None
             self.lora = LoRARegistry(
-                self.model_config, config.max_lora_rank, lora_dtype, self.device
+                self.model_config,
+                config.max_lora_rank,
+                lora_dtype,
+                self.device,
+                config.max_cpu_loras,
             )
             for module in config.lora_modules:
                 self.lora.load(*lora_module(module))
@@ -309,14 +313,14 @@ class LLMEngine:
         ValueError where LoRA is off, the name is taken or the adapter cannot be served."""
         if self.lora is None:
             raise ValueError("a LoRA adapter needs the engine started with --enable-lora")
-        if self.lora.get(name) is not None:
+        if name in self.lora.served:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded; unload it first")
         self.lora.load(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Serve the adapter `name` no more (requests running with it finish with it);
         `UnknownAdapterError` where none has the name."""
-        if self.lora is None or self.lora.get(name) is None:
+        if self.lora is None or name not in self.lora.served:
             raise UnknownAdapterError(f"no LoRA adapter named {name!r} is loaded")
         self.lora.unload(name)
 
@@ -403,12 +407,13 @@ class LLMEngine:
     def _describe_lora(self) -> str:
         if self.lora is None:
             return "off"
-        adapters = self.lora.adapters
         held = ", ".join(
-            f"{a.name} (rank {a.weights.rank}, from {a.path}, loaded in {a.load_s:.2f} s)"
-            for a in adapters
+            f"{name} (rank {a.rank}, from {a.path}, loaded in {a.load_s:.2f} s)"
+            for name, a in self.lora.served.items()
         )
-        return f"on, rank up to {self.config.max_lora_rank}; " + (held or "none loaded yet")
+        bound = self.config.max_cpu_loras
+        memory = "" if bound is None else f", at most {bound} in memory"
+        return f"on, rank up to {self.config.max_lora_rank}{memory}; " + (held or "none loaded yet")
 
     def stats(self) -> EngineStats:
         """The queues, the KV cache and the counters now (read without the engine's locks: a
@@ -432,7 +437,7 @@ class LLMEngine:
             spec=self.executor.spec_counters(),
             running_loras=dict(Counter(r.lora.name for r in self.running if r.lora is not None)),
             waiting_loras=dict(Counter(r.lora.name for r in waiting if r.lora is not None)),
-            max_loras=None if self.lora is None else len(self.lora.adapters),
+            max_loras=None if self.lora is None else len(self.lora.served),
         )
 
     def close(self) -> None:
