@@ -129,8 +129,9 @@ def test_every_adapter_and_the_base_mixed_in_one_step(lora_llm, adapters, peft_o
 @pytest.mark.parametrize("policy", ["prefill-first", "bullet"])
 def test_mixed_under_the_other_policies(tiny_llama_dir, adapters, peft_outputs, policy):
     """Prefill-first's whole prompts, and Bullet's two lanes (a prefill pass in layer groups
-    beside the decode lane's steps) give PEFT's texts too."""
-    settings = {"prefill_layers_per_step": 1} if policy == "bullet" else {}
+    beside the decode lane's steps) give PEFT's texts too; so do steps held to one adapter at
+    a time (--max-loras 1: the queue waits for the running adapter's requests to end)."""
+    settings: dict = {"prefill_layers_per_step": 1} if policy == "bullet" else {"max_loras": 1}
     llm = LLM(
         model=str(tiny_llama_dir),
         dtype="float32",
@@ -142,6 +143,20 @@ def test_mixed_under_the_other_policies(tiny_llama_dir, adapters, peft_outputs, 
     )
     try:
         _mixed(llm, adapters, peft_outputs)
+        if "max_loras" in settings:
+            engine = llm.engine
+            for index, name in enumerate(["attn-r4", "mlp-r16", None, "attn-r4"]):
+                request = None if name is None else _named(name, adapters)
+                engine.add_request([5, 6, 7 + index], GREEDY, lora_request=request)
+            seen = set()
+            for _ in range(200):
+                if not engine.has_unfinished():
+                    break
+                engine.step()
+                running = {r.lora.name for r in engine.running if r.lora is not None}
+                assert len(running) <= 1
+                seen |= running
+            assert seen == {"attn-r4", "mlp-r16"} and not engine.has_unfinished()
     finally:
         llm.close()
 

@@ -22,7 +22,8 @@ def snapshots(draw) -> SchedulerSnapshot:
             blocks = -(-computed // BLOCK)
         else:
             computed, blocks = 0, 0
-        return SeqView(f"r{index}", float(index), num_tokens, computed, blocks)
+        lora = draw(st.sampled_from([None, "a", "b", "c"]))
+        return SeqView(f"r{index}", float(index), num_tokens, computed, blocks, lora=lora)
 
     running = [seq(i, True) for i in range(draw(st.integers(0, 12)))]
     waiting = [seq(100 + i, False) for i in range(draw(st.integers(0, 12)))]
@@ -34,6 +35,7 @@ def snapshots(draw) -> SchedulerSnapshot:
         block_size=BLOCK,
         max_num_seqs=draw(st.integers(max(1, len(running)), 32)),
         max_num_batched_tokens=draw(st.integers(1, 1024)),
+        max_loras=draw(st.sampled_from([None, 1, 2])),
     )
 
 
@@ -54,6 +56,11 @@ def check_common(snapshot: SchedulerSnapshot, plan: StepPlan) -> None:
     assert needed <= snapshot.free_blocks + freed  # admissions never exceed KV capacity
     for item in plan.scheduled:
         assert 1 <= item.num_tokens <= by_id[item.request_id].num_remaining
+    # An admission brings no LoRA adapter beyond --max-loras with the running requests'.
+    running_adapters = {s.lora for s in snapshot.running if s.lora is not None}
+    admitted_adapters = {by_id[i].lora for i in plan.admitted if by_id[i].lora is not None}
+    if snapshot.max_loras is not None and admitted_adapters - running_adapters:
+        assert len(running_adapters | admitted_adapters) <= snapshot.max_loras
 
 
 @settings(max_examples=300, deadline=None)

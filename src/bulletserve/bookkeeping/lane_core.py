@@ -156,8 +156,10 @@ class LaneCore(Generic[E]):
         policy: BulletPolicy,
         max_num_seqs: int,
         max_prefill_tokens: int,
+        max_loras: int | None = None,
     ) -> None:
         self.book = book
+        self.max_loras = max_loras
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
@@ -191,6 +193,7 @@ class LaneCore(Generic[E]):
             stats=self.window.stats(),
             split=self.split,
             corrections=corrections,
+            max_loras=self.max_loras,
         )
 
     def plan(self, lane: Lane, now: float, corrections: Corrections = Corrections()) -> BulletPlan:

@@ -20,9 +20,11 @@ def scheduler_snapshot(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     host_step_s: float = 0.0,
+    max_loras: int | None = None,
 ) -> SchedulerSnapshot:
     return SchedulerSnapshot(
         host_step_s=host_step_s,
+        max_loras=max_loras,
         now=now,
         waiting=book.waiting_views(),
         running=book.running_views(),

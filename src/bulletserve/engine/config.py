@@ -62,6 +62,7 @@ class EngineConfig(SchedulerConfig):
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in memory (None: every one served)
+    max_loras: int | None = None  # adapters running requests use together (None: any number)
     lora_dtype: str = "auto"  # the adapters' weights: auto (the model's dtype) or a dtype
     cpu_warmup_rows: int = 256  # build the CPU GEMM kernels of steps up to this many rows at start
     # The SLO the bullet policy schedules for (and /metrics counts attainment against).
@@ -133,6 +134,10 @@ class EngineConfig(SchedulerConfig):
                 raise ValueError(f"--max-lora-rank must be >= 1, not {self.max_lora_rank}")
             if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
                 raise ValueError(f"--max-cpu-loras must be >= 1, not {self.max_cpu_loras}")
+            if self.max_loras is not None and self.max_loras < 1:
+                raise ValueError(f"--max-loras must be >= 1, not {self.max_loras}")
+        elif self.max_loras is not None:
+            raise ValueError("--max-loras needs --enable-lora")
             if self.tensor_parallel_size > 1:
                 raise ValueError(
                     "--enable-lora with --tensor-parallel-size > 1 is not built yet: the "
@@ -409,6 +414,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="the highest adapter rank served (vLLM's default 16); a higher one is refused at load",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="the most adapters the running requests use together: a request of another "
+        "adapter waits, and the queue is not overtaken (default: any number; vLLM's is 1, for "
+        "its adapter slots in GPU memory)",
     )
     lora.add_argument(
         "--max-cpu-loras",

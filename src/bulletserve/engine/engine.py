@@ -437,7 +437,9 @@ class LLMEngine:
             spec=self.executor.spec_counters(),
             running_loras=dict(Counter(r.lora.name for r in self.running if r.lora is not None)),
             waiting_loras=dict(Counter(r.lora.name for r in waiting if r.lora is not None)),
-            max_loras=None if self.lora is None else len(self.lora.served),
+            max_loras=None
+            if self.lora is None
+            else (self.config.max_loras or len(self.lora.served)),
         )
 
     def close(self) -> None:

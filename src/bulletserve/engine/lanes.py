@@ -83,7 +83,11 @@ class Lanes:
         self._taken = 0  # outputs the last `step()` calls returned, not yet reported
         config = self.config
         self.core: LaneCore[Request] = LaneCore(
-            self.book, self.policy, config.max_num_seqs, config.max_num_batched_tokens
+            self.book,
+            self.policy,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_loras,
         )
         self.clock.attach(self.core)
         self._pass: PrefillPass | None = None

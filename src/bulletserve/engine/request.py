@@ -167,6 +167,7 @@ class Request:
             num_output_tokens=self.num_output_tokens,
             num_draft_tokens=len(self.draft_token_ids),
             draft_acceptance=self.draft_acceptance,
+            lora=None if self.lora is None else self.lora.identity,
         )
 
 

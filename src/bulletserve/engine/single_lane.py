@@ -176,6 +176,7 @@ class SingleLane:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.host.seconds,
+            config.max_loras,
         )
 
     def step(self) -> list[RequestOutput]:

@@ -39,6 +39,7 @@ class SeqView:
     # each holds given the one before did (`sched.drafts.acceptance_estimate`).
     num_draft_tokens: int = 0
     draft_acceptance: float = 0.0
+    lora: str | None = None  # its LoRA adapter's identity (None: the base model)
 
     @property
     def num_remaining(self) -> int:
@@ -60,6 +61,8 @@ class SchedulerSnapshot:
     # The engine's own seconds around a step, outside the model (planning, drawing, handing
     # the outputs over), as measured lately: a step's price beside its forward.
     host_step_s: float = 0.0
+    # The most LoRA adapters the running requests may use together (--max-loras; None: any).
+    max_loras: int | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +105,27 @@ def keep_order(seq: SeqView) -> tuple[float, float]:
     then the tightest TPOT target. Sorting is stable, so among equals admission order decides
     and the newest is preempted first."""
     return (seq.priority, seq.slo.tpot_ms if seq.slo else 0.0)
+
+
+class AdapterBudget:
+    """The LoRA adapters running requests use, at most `most` of them (None: any number)."""
+
+    def __init__(self, most: int | None, running: tuple[SeqView, ...]) -> None:
+        self.most = most
+        self.adapters = {seq.lora for seq in running if seq.lora is not None}
+
+    def admits(self, seq: SeqView) -> bool:
+        """Whether `seq` may join them."""
+        return (
+            self.most is None
+            or seq.lora is None
+            or seq.lora in self.adapters
+            or len(self.adapters) < self.most
+        )
+
+    def add(self, seq: SeqView) -> None:
+        if seq.lora is not None:
+            self.adapters.add(seq.lora)
 
 
 def blocks_needed(seq: SeqView, num_tokens: int, block_size: int) -> int:
@@ -152,10 +176,12 @@ class PlanBuilder:
             self._take(seq, num, need)
 
     def admit_waiting(self, chunk: bool, allow_over_budget_first: bool = False) -> None:
-        """Admit waiting requests in queue order while budgets last; stop at the first that
-        does not fit (no overtaking, so the queue head cannot starve)."""
+        """Admit waiting requests in queue order while budgets last (and their LoRA adapters
+        within `max_loras` together with the running ones'); stop at the first that does not
+        fit (no overtaking, so the queue head cannot starve)."""
+        adapters = AdapterBudget(self.snapshot.max_loras, self.snapshot.running)
         for seq in self.snapshot.waiting:
-            if self.budget.seqs <= 0 or self.preempted:
+            if self.budget.seqs <= 0 or self.preempted or not adapters.admits(seq):
                 return
             num = seq.num_remaining
             if num > self.budget.tokens:
@@ -169,6 +195,7 @@ class PlanBuilder:
                 return
             self.budget.seqs -= 1
             self.admitted.append(seq.request_id)
+            adapters.add(seq)
             self._take(seq, num, need)
 
     def add_drafts(self, rule: DraftRule | None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bulletserve.perf.model import Corrections, PerfModel
-from bulletserve.sched.base import PlanBuilder, SchedulerSnapshot, SeqView
+from bulletserve.sched.base import AdapterBudget, PlanBuilder, SchedulerSnapshot, SeqView
 from bulletserve.sched.bullet.estimates import Estimator
 from bulletserve.sched.bullet.params import BulletParams, DeviceTraits
 from bulletserve.sched.bullet.rules import RULES, Rule, Situation, choose, fused_rows
@@ -226,6 +226,8 @@ class BulletPolicy:
         batch: list[SeqView] = []
         tokens = 0
         free = snap.free_blocks
+        in_flight = snap.prefill.requests if snap.prefill else ()
+        adapters = AdapterBudget(snap.max_loras, (*snap.decoding, *in_flight))
         # Keep a block per decoding request free so the decode lane can grow without preempting.
         reserve = min(len(snap.decoding), free)
         seats = snap.max_num_seqs - len(snap.decoding)
@@ -237,8 +239,9 @@ class BulletPolicy:
                 or seq.priority != batch[0].priority
             ):
                 break
-            if seats <= 0 or need > free - reserve:
+            if seats <= 0 or need > free - reserve or not adapters.admits(seq):
                 break
+            adapters.add(seq)
             batch.append(seq)
             tokens += seq.num_remaining
             free -= need

@@ -184,6 +184,7 @@ class BulletSnapshot:
     stats: LatencyStats
     split: Split  # the split in force
     corrections: Corrections = Corrections()
+    max_loras: int | None = None  # the most LoRA adapters running together (None: any)
 
 
 @dataclass(frozen=True)
