@@ -198,7 +198,7 @@ def test_rejection_sampling_of_drafts_keeps_the_targets_distribution():
     p = _reference_probs(logits, settings["temperature"], settings.get("top_k", 0), 1.0)
     sampler = Sampler(seed=5)
     distances = []
-    for n in (250, 2_500, 25_000):
+    for n in (200, 2_000, 16_000):
         drafts = torch.multinomial(q, n, replacement=True, generator=generator)
         requests = [_request(**settings) for _ in range(n)]
         proposals = [Proposal(int(d), q) for d in drafts]
@@ -209,5 +209,5 @@ def test_rejection_sampling_of_drafts_keeps_the_targets_distribution():
         frequency = torch.bincount(tokens, minlength=6).double() / n
         distances.append(0.5 * (frequency - p).abs().sum().item())
         kept = (tokens == drafts).double().mean().item()
-    assert distances[2] < distances[0] and distances[2] < 0.015
-    assert abs(kept - torch.minimum(p, q.double()).sum().item()) < 0.015
+    assert distances[2] < distances[0] and distances[2] < 0.02
+    assert abs(kept - torch.minimum(p, q.double()).sum().item()) < 0.02

@@ -105,6 +105,7 @@ def test_n_sequences_and_prompt_logprobs_equal_without_speculation(engines):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 
 
+@pytest.mark.parametrize("engines", ["chunked", "bullet"], indirect=True)  # prefill-first: greedy
 def test_a_stop_inside_an_accepted_run_ends_the_output_exactly_there(engines):
     plain, spec = engines
     prompts = random_prompts(6, seed=11)
