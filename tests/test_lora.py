@@ -97,14 +97,7 @@ def peft_outputs(tiny_llama_dir, adapters):
 @pytest.fixture(scope="module")
 def lora_llm(tiny_llama_dir, adapters):
     modules = tuple(f"{name}={path}" for name, path in list(adapters.items())[:2])
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        enable_lora=True,
-        max_lora_rank=64,
-        lora_modules=modules,
-    )
+    llm = _lora_llm(tiny_llama_dir, lora_modules=modules)
     yield llm
     llm.close()
 
@@ -132,15 +125,7 @@ def test_mixed_under_the_other_policies(tiny_llama_dir, adapters, peft_outputs, 
     beside the decode lane's steps) give PEFT's texts too; so do steps held to one adapter at
     a time (--max-loras 1: the queue waits for the running adapter's requests to end)."""
     settings: dict = {"prefill_layers_per_step": 1} if policy == "bullet" else {"max_loras": 1}
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        enable_lora=True,
-        max_lora_rank=64,
-        policy=policy,
-        **settings,
-    )
+    llm = _lora_llm(tiny_llama_dir, policy=policy, **settings)
     try:
         _mixed(llm, adapters, peft_outputs)
         if "max_loras" in settings:
@@ -192,6 +177,18 @@ def test_the_prefix_cache_is_never_shared_across_adapters_or_a_reload(lora_llm, 
     three = lora_llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=_named(name, adapters))
     assert three[0].num_cached_tokens == 0
     engine.lora.load(name, str(adapters[name]))
+
+
+def _lora_llm(model_dir, **settings) -> LLM:
+    """The tiny Llama in fp32 serving adapters up to rank 64."""
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        enable_lora=True,
+        max_lora_rank=64,
+        **settings,
+    )
 
 
 def _named(name, adapters):
@@ -331,15 +328,8 @@ def test_at_most_max_cpu_loras_adapters_stay_in_memory(tiny_llama_dir, adapters,
     from their folders when asked for (their load generation, and so their cached prefixes,
     kept), each still giving PEFT's texts."""
     prompts, expected = peft_outputs
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=256,
-        enable_lora=True,
-        max_lora_rank=64,
-        max_cpu_loras=1,
-        lora_modules=tuple(f"{name}={path}" for name, path in adapters.items()),
-    )
+    modules = tuple(f"{name}={path}" for name, path in adapters.items())
+    llm = _lora_llm(tiny_llama_dir, max_cpu_loras=1, lora_modules=modules)
     try:
         registry = llm.engine.lora
         assert registry.num_resident == 1 and len(registry.served) == 3

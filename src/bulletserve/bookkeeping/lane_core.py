@@ -99,6 +99,11 @@ class LaneStep(Generic[E]):
     drafts: tuple[int, ...] = ()  # decode: each row's drafts to verify (empty: none anywhere)
     state: ExecutionState = field(default_factory=ExecutionState)
 
+    @property
+    def row_drafts(self) -> tuple[int, ...]:
+        """A decode step's drafts per row, 0 where a row has none."""
+        return self.drafts or (0,) * len(self.requests)
+
     def record(
         self,
         time: float,
@@ -349,8 +354,8 @@ class LaneCore(Generic[E]):
         assert step is not None
         self.steps[lane] = None
         if lane == "decode":
-            drafts = step.drafts or (0,) * len(step.requests)
-            for request, length, count in zip(step.requests, step.lengths, drafts, strict=True):
+            rows = zip(step.requests, step.lengths, step.row_drafts, strict=True)
+            for request, length, count in rows:
                 dropped = rejected(request) if count else 0
                 request.num_computed_tokens = length + count - dropped
                 if dropped:

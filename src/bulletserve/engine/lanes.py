@@ -425,10 +425,7 @@ class Lanes:
         on the step's units: on the decode lane's own thread it ran on one CPU thread, and at
         160 rows it added 30 ms to a 100 ms step, where the single-lane engine samples on
         every thread. The requests are busy, so no other thread changes what it reads."""
-        start = time.perf_counter()
-        logits, _ = self.runner.execute(works, self._logits["decode"], "decode", placement)
-        self.units.synchronize()
-        runner_s = time.perf_counter() - start
+        logits, _, runner_s = self._decode_forward(works, requests, placement)
         tokens, logprobs = self._decode_sampler.sample(
             logits, requests, [r.stop_ids for r in requests]
         )
@@ -480,8 +477,8 @@ class Lanes:
                     self._wait("decode")
                     continue
                 step = core.start_decode(plan)
-                drafts = step.drafts or (0,) * len(step.requests)
-                works = [_decode_work(r, d) for r, d in zip(step.requests, drafts, strict=True)]
+                rows = zip(step.requests, step.row_drafts, strict=True)
+                works = [_decode_work(request, drafts) for request, drafts in rows]
             if self.speculator is not None:
                 self._verify_step(step, works)
                 continue
@@ -508,7 +505,7 @@ class Lanes:
         assert self.speculator is not None
         propose_s = self.speculator.propose_s  # this step's: the lane proposes under the lock
         (logits, rows, runner_s), measured = self._on_units(
-            step, partial(self._verify_forward, works, step.requests)
+            step, partial(self._decode_forward, works, step.requests)
         )
         with self._state:
             aborted = {r.request_id for r in step.requests if r.is_finished}
@@ -525,11 +522,11 @@ class Lanes:
                     self._advanced(request)
             self.clock.notify_all(self._state)
 
-    def _verify_forward(
+    def _decode_forward(
         self, works: list[SeqWork], requests: list[Request], placement: Placement
     ) -> tuple[torch.Tensor, list[Request], float]:
-        """A verify step's logits, each row's request (a verified row's 1 + d in a run) and
-        the seconds the model took."""
+        """A decode step's logits, each row's request (a verified row's 1 + d in a run) and
+        the seconds the model took (on the device: synchronized)."""
         start = time.perf_counter()
         logits, order = self.runner.execute(works, self._logits["decode"], "decode", placement)
         self.units.synchronize()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -47,7 +49,7 @@ class LoadedAdapter:
 
 
 @dataclass(frozen=True)
-class _Served:
+class ServedAdapter:
     """A name served: where its adapter is read from, its load generation, rank and load time."""
 
     path: str
@@ -74,7 +76,7 @@ class LoRARegistry:
         self.dtype = dtype
         self.device = device
         self.max_resident = max_resident
-        self._served: dict[str, _Served] = {}
+        self._served: dict[str, ServedAdapter] = {}
         self._resident: OrderedDict[str, LoadedAdapter] = OrderedDict()
         self._generations: dict[str, int] = {}
 
@@ -84,7 +86,7 @@ class LoRARegistry:
         generation = self._generations.get(name, -1) + 1
         adapter = self._read(name, path, generation)
         self._generations[name] = generation
-        self._served[name] = _Served(path, generation, adapter.weights.rank, adapter.load_s)
+        self._served[name] = ServedAdapter(path, generation, adapter.weights.rank, adapter.load_s)
         logger.info(
             "LoRA adapter %s from %s: rank %d, %.1f MB, loaded in %.2f s",
             name,
@@ -121,8 +123,9 @@ class LoRARegistry:
         return adapter
 
     @property
-    def served(self) -> dict[str, _Served]:
-        return dict(self._served)
+    def served(self) -> Mapping[str, ServedAdapter]:
+        """The names served (read-only)."""
+        return MappingProxyType(self._served)
 
     @property
     def num_resident(self) -> int:

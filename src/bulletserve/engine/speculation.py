@@ -30,7 +30,7 @@ from bulletserve.engine.sampler import Proposal, Sampler
 from bulletserve.sched.drafts import DraftTallies
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
-from bulletserve.spec.proposer import Proposer
+from bulletserve.spec.proposer import Proposer, draft_room
 
 
 class Speculator:
@@ -64,15 +64,13 @@ class Speculator:
         for request in running:
             live.add(request.request_id)
             request.draft_token_ids = []
-            if (
-                request.num_computed_tokens != request.num_tokens - 1
-                or not request.output_token_ids
-            ):
-                continue
-            room = min(
-                self.config.num_speculative_tokens,
-                request.params.max_tokens - len(request.output_token_ids) - 1,
-                self.max_model_len - request.num_tokens - 1,
+            room = draft_room(
+                self.config,
+                request.num_tokens,
+                request.num_computed_tokens,
+                len(request.output_token_ids),
+                request.params.max_tokens,
+                self.max_model_len,
             )
             if room <= 0:
                 continue

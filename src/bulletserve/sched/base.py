@@ -112,7 +112,10 @@ class AdapterBudget:
 
     def __init__(self, most: int | None, running: tuple[SeqView, ...]) -> None:
         self.most = most
-        self.adapters = {seq.lora for seq in running if seq.lora is not None}
+        # Without a bound nothing is counted (each step's plan would walk every running view).
+        self.adapters = (
+            set() if most is None else {seq.lora for seq in running if seq.lora is not None}
+        )
 
     def admits(self, seq: SeqView) -> bool:
         """Whether `seq` may join them."""
@@ -124,7 +127,7 @@ class AdapterBudget:
         )
 
     def add(self, seq: SeqView) -> None:
-        if seq.lora is not None:
+        if self.most is not None and seq.lora is not None:
             self.adapters.add(seq.lora)
 
 

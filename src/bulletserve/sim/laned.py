@@ -131,8 +131,9 @@ class LanedSimulator:
         verified: list[tuple[SimRequest, int, int]] = []
         running = self.core.steps[lane]
         if lane == "decode" and self.speculation is not None and running is not None:
-            drafts = running.drafts or (0,) * len(running.requests)
-            verified = self.speculation.verify(zip(running.requests, drafts, strict=True))
+            verified = self.speculation.verify(
+                zip(running.requests, running.row_drafts, strict=True)
+            )
         rejected = {request.request_id: count - held for request, count, held in verified}
         step = self.core.end_step(lane, lambda request: rejected.get(request.request_id, 0))
         self.device.rerate(now)

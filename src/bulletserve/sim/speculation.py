@@ -16,7 +16,7 @@ from bulletserve.sched.drafts import DraftTallies
 from bulletserve.sim.request import SimRequest
 from bulletserve.spec.config import SpeculativeConfig
 from bulletserve.spec.counters import SpecCounters
-from bulletserve.spec.proposer import Proposer
+from bulletserve.spec.proposer import Proposer, draft_room
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class SimSpeculation:
         config: SpeculativeConfig,
         trace: AcceptanceTrace,
         seed: int,
-        max_model_len: int | None = None,
+        max_model_len: int,
     ) -> None:
         self.config = config
         self.trace = trace
@@ -96,14 +96,14 @@ class SimSpeculation:
         for request in running:
             live.add(request.request_id)
             request.draft_count = 0
-            if request.num_computed_tokens != request.num_tokens - 1 or not request.token_times:
-                continue
-            room = min(
-                self.config.num_speculative_tokens,
-                request.output_len - len(request.token_times) - 1,
+            room = draft_room(
+                self.config,
+                request.num_tokens,
+                request.num_computed_tokens,
+                len(request.token_times),
+                request.output_len,
+                self.max_model_len,
             )
-            if self.max_model_len is not None:
-                room = min(room, self.max_model_len - request.num_tokens - 1)
             if room <= 0:
                 continue
             self._drafting[request.request_id] = request

@@ -14,6 +14,28 @@ from bulletserve.spec.suffix import SuffixCache, SuffixDrafter
 Drafter = NgramIndex | SuffixDrafter
 
 
+def draft_room(
+    config: SpeculativeConfig,
+    num_tokens: int,
+    num_computed_tokens: int,
+    num_output_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+) -> int:
+    """How many drafts a request's next row may carry (the engine's and the simulator's
+    rule): none unless it decodes (its last token alone to compute, its output begun), else
+    `num_speculative_tokens`, no more than its max_tokens and the context length leave room for
+    after the token the row draws."""
+    if num_computed_tokens != num_tokens - 1 or not num_output_tokens:
+        return 0
+    room = min(
+        config.num_speculative_tokens,
+        max_tokens - num_output_tokens - 1,
+        max_model_len - num_tokens - 1,
+    )
+    return max(room, 0)
+
+
 class Proposer:
     """Drafts per request (`propose`), from an index built on its first proposal."""
 

@@ -156,11 +156,12 @@ class BulletPolicy:
         alone = self.partition == "none" or split.prefill == 0
         units = self.units.total if alone else self.units.total - split.prefill
         if units > 0 and split.decode > 0:
-            beside = step is not None and not alone
-            rule = est.draft_rule(
-                situation.lens if beside else (), situation.cached, situation.layers, units
-            )
-            builder.add_drafts(rule if self.price_drafts else None)
+            rule = None
+            if self.price_drafts:
+                beside = step is not None and not alone
+                lens = situation.lens if beside else ()
+                rule = est.draft_rule(lens, situation.cached, situation.layers, units)
+            builder.add_drafts(rule)
         plan = builder.build()
         return BulletPlan(choice.split, decode=plan.scheduled, preempted=plan.preempted)
 
